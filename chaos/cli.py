@@ -1,0 +1,27 @@
+"""`ftsync-chaos`: local clusters and fault experiments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from chaos.demo import DemoSettings, run_demo
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ftsync-chaos",
+                                     description="Run ftsync clusters through faults.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="coordinator + synthetic learners through a "
+                                       "coordinator crash and restart")
+    demo.add_argument("--learners", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=600)
+    demo.add_argument("--kill-after", type=float, default=4.0,
+                      help="seconds before the coordinator is SIGKILLed")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"))
+    args = parser.parse_args(argv)
+    if args.learners < 1 or args.steps < 1 or args.kill_after <= 0:
+        parser.error("--learners, --steps and --kill-after must be positive")
+    sys.exit(run_demo(DemoSettings(learners=args.learners, steps=args.steps,
+                                   kill_after_s=args.kill_after, out=args.out)))

@@ -1,0 +1,80 @@
+"""Local processes for clusters: coordinators and learners on this machine.
+
+The `process` backend of the chaos harness and the launcher of the demo and
+the integration tests: each coordinator is its own process on an ephemeral
+port with its own state directory, and callers wait on its `listening on`
+line, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
+
+
+@dataclass
+class CoordinatorProcess:
+    """A `python -m coordinator` process; start() returns once it listens."""
+
+    state_dir: Path
+    args: list[str] = field(default_factory=list)
+    process: subprocess.Popen[str] | None = None
+    address: str = ""
+    port: int = 0
+
+    def start(self, timeout: float = 30.0) -> CoordinatorProcess:
+        listen = f"127.0.0.1:{self.port}"
+        log = open(self.state_dir.parent / f"{self.state_dir.name}.stderr.log", "a")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--listen", listen,
+             "--state-dir", str(self.state_dir), *self.args],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        assert self.process.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coordinator exited with {self.process.wait()}; "
+                                   f"see {log.name}")
+            match = re.search(r"listening on (\S+):(\d+)", line)
+            if match:
+                self.port = int(match.group(2))
+                self.address = f"127.0.0.1:{self.port}"
+                return self
+        raise TimeoutError("coordinator did not start listening")
+
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def status(self) -> pb.StatusResponse:
+        with grpc.insecure_channel(self.address) as channel:
+            response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
+                pb.StatusRequest(), timeout=10)
+            return response

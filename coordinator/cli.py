@@ -1,0 +1,148 @@
+"""`ftsync-coordinator`: run the daemon (`serve`, the default) or watch one (`status`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from coordinator.config import ConfigError, CoordinatorConfig, load, parse_overrides
+from coordinator.durability import StateError
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "status":
+        sys.exit(_status(args))
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        sys.exit(f"ftsync-coordinator: {exc}")
+    from coordinator.daemon import serve
+
+    try:
+        asyncio.run(serve(config))
+    except StateError as exc:
+        sys.exit(f"ftsync-coordinator: cannot resume from {config.state_dir}: {exc}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ftsync-coordinator",
+        description="The ftsync synchronizer daemon: merges learners' fragments over gRPC.")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the daemon (default)")
+    status = sub.add_parser("status", help="show a live table of a running daemon")
+    for p in (parser, serve):
+        p.add_argument("--config", help="TOML configuration file")
+        p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
+        p.add_argument("--state-dir", help="directory for durable state")
+        p.add_argument("--min-quorum", type=int, help="contributions needed to close a round")
+        p.add_argument("--sync-mode", type=int, metavar="M",
+                       help="lock-step baseline: quorum M learners, no grace window")
+        p.add_argument("--event-log", help="append JSONL events to this file")
+        p.add_argument("--prometheus-port", type=int, help="serve /metrics on this port")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override any config key, e.g. policy.gamma=0.3")
+    status.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
+    status.add_argument("--once", action="store_true", help="print one table and exit")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> CoordinatorConfig:
+    overrides = parse_overrides(args.set)
+    flags = {
+        "listen": args.listen, "state_dir": args.state_dir,
+        "policy.min_quorum": args.min_quorum, "event_log": args.event_log,
+        "metrics.prometheus_port": args.prometheus_port,
+    }
+    if args.sync_mode is not None:
+        flags["policy.min_quorum"] = args.sync_mode
+        flags["policy.grace_max_s"] = 0
+    for key, value in flags.items():
+        if value is not None:
+            overrides[key] = _toml_literal(value)
+    return load(CoordinatorConfig, args.config, overrides)
+
+
+def _toml_literal(value: object) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _status(args: argparse.Namespace) -> int:
+    console = Console()
+    channel = grpc.insecure_channel(args.address)
+    stub = pb_grpc.AdminStub(channel)
+    previous: tuple[float, pb.StatusResponse] | None = None
+    try:
+        if args.once:
+            console.print(render_status(stub.Status(pb.StatusRequest(), timeout=5), None))
+            return 0
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                status = stub.Status(pb.StatusRequest(), timeout=5)
+                now = time.monotonic()
+                live.update(render_status(status, previous and (now - previous[0],
+                                                                previous[1])), refresh=True)
+                previous = (now, status)
+                time.sleep(args.interval)
+    except grpc.RpcError as exc:
+        console.print(f"[red]cannot reach the coordinator at {args.address}: "
+                      f"{exc.code().name} {exc.details()}[/red]")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        channel.close()
+
+
+def render_status(status: pb.StatusResponse,
+                  previous: tuple[float, pb.StatusResponse] | None) -> Group:
+    """Learners, fragments and rates; rates need the previous poll."""
+    versions_rate = mb_in_rate = 0.0
+    if previous is not None and previous[0] > 0:
+        dt, before = previous
+        versions_rate = (sum(f.commits for f in status.fragments)
+                         - sum(f.commits for f in before.fragments)) / dt
+        mb_in_rate = (status.bytes_in - before.bytes_in) / dt / 1e6
+    live = sum(1 for learner in status.learners if learner.live)
+    rejected = ", ".join(f"{k}={v}" for k, v in sorted(status.rejections.items())) or "none"
+    summary = (f"run {status.run_id or '-'}  up {status.uptime_s:.0f}s  quorum "
+               f"{status.min_quorum}  learners {live}/{len(status.learners)} live  "
+               f"in {status.bytes_in / 1e6:.1f} MB  out {status.bytes_out / 1e6:.1f} MB  "
+               f"commits/s {versions_rate:.2f}  MB/s in {mb_in_rate:.1f}  rejected: {rejected}")
+    learners = Table(title="learners", expand=False)
+    for column in ("learner", "live", "heartbeat", "step time", "step", "contributions",
+                   "rejections", "backlog", "MB in", "host"):
+        learners.add_column(column, justify="right" if column != "learner" else "left")
+    for learner in status.learners:
+        learners.add_row(
+            learner.learner_id, "yes" if learner.live else "[red]no[/red]",
+            f"{learner.heartbeat_age_s:.1f}s ago",
+            f"{learner.step_time_s * 1000:.0f} ms" if learner.step_time_s else "-",
+            str(learner.local_step), str(learner.contributions), str(learner.rejections),
+            str(learner.backlog), f"{learner.bytes_in / 1e6:.1f}", learner.host)
+    fragments = Table(title="fragments", expand=False)
+    for column in ("fragment", "version", "params", "open round", "round age", "grace left",
+                   "commits", "merged", "last commit"):
+        fragments.add_column(column, justify="right")
+    for fragment in status.fragments:
+        fragments.add_row(
+            str(fragment.fragment), str(fragment.version), f"{fragment.numel:,}",
+            ",".join(fragment.round_learners) or "-",
+            f"{fragment.round_age_s:.1f}s" if fragment.round_learners else "-",
+            f"{fragment.grace_left_s:.2f}s" if fragment.grace_left_s >= 0 else "-",
+            str(fragment.commits), str(fragment.merged_contributions),
+            f"{fragment.last_commit_age_s:.1f}s ago" if fragment.last_commit_age_s >= 0 else "-")
+    return Group(summary, learners, fragments)

@@ -1,0 +1,287 @@
+"""The coordinator's configuration: one tree of frozen dataclasses.
+
+Loaded from TOML, overridden by `--set key=value` flags, validated before
+the daemon touches anything, and printed once at start-up. Errors name the
+dotted key and, when it came from the file, its line. The loader is generic
+over dataclass trees, so experiment files in `chaos/` use it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from coordinator.policy import PolicyConfig
+
+T = TypeVar("T")
+
+MIB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names key and line."""
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Per-fragment SGD with Nesterov momentum, as in DiLoCo."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"outer.lr must be > 0 (got {self.lr})")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What a single request may carry."""
+
+    # Largest L2 norm of an outer gradient; 0 disables the bound.
+    norm_bound: float = 1.0e4
+    # Chunk size the daemon streams pulls in.
+    chunk_bytes: int = 2 * MIB
+    # Bytes of fragment staging shared by concurrent pushes; 0: twice the
+    # largest fragment. Pushes beyond it wait, so memory stays flat.
+    staging_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.norm_bound < 0:
+            raise ValueError(f"limits.norm_bound must be >= 0 (got {self.norm_bound})")
+        if not MIB <= self.chunk_bytes <= 4 * MIB:
+            raise ValueError(f"limits.chunk_bytes must be in [1 MiB, 4 MiB] "
+                             f"(got {self.chunk_bytes})")
+        if self.staging_bytes < 0:
+            raise ValueError(f"limits.staging_bytes must be >= 0 (got {self.staging_bytes})")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    # Port of the Prometheus scrape endpoint on 127.0.0.1; 0 turns it off.
+    prometheus_port: int = 0
+    # Seconds between console dumps of the metrics; 0 turns them off.
+    console_interval_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Bearer tokens per learner; with none configured anyone may join."""
+
+    tokens: Mapping[str, str] = field(default_factory=dict)
+    # TOML file with a [tokens] table, kept out of the main config.
+    tokens_file: str = ""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    listen: str = "127.0.0.1:50051"
+    state_dir: str = "ftsync-state"
+    # fsync every committed version before publishing it.
+    fsync: bool = True
+    heartbeat_interval_ms: int = 1000
+    # Pin the run to one fragment layout; empty: the first learner's.
+    layout_hash: str = ""
+    # JSONL event log (joins, pushes, commits) for the chaos checkers.
+    event_log: str = ""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[^\s:]*:\d+", self.listen):
+            raise ValueError(f"listen must be HOST:PORT (got {self.listen!r})")
+        if self.heartbeat_interval_ms <= 0:
+            raise ValueError("heartbeat_interval_ms must be > 0")
+
+    def tokens(self) -> dict[str, str]:
+        """Configured tokens, those of tokens_file included."""
+        merged = dict(self.auth.tokens)
+        if self.auth.tokens_file:
+            path = Path(self.auth.tokens_file)
+            try:
+                data = tomllib.loads(path.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"auth.tokens_file {path}: {exc}") from exc
+            table = data.get("tokens")
+            if not isinstance(table, dict) or not all(
+                    isinstance(v, str) for v in table.values()):
+                raise ConfigError(f"auth.tokens_file {path}: needs a [tokens] table of strings")
+            merged.update(table)
+        return merged
+
+
+def load(cls: type[T], path: str | Path | None = None,
+         overrides: Mapping[str, str] | None = None) -> T:
+    """Build `cls` from a TOML file and `key=value` overrides (dotted keys)."""
+    text = ""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    for dotted, raw in (overrides or {}).items():
+        _set_dotted(data, dotted, _parse_override(raw))
+    where = _Locator(str(path) if path else "", text, set(overrides or {}))
+    return _build(cls, data, (), where)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """`["a.b=1", ...]` from repeated `--set` flags into a mapping."""
+    result: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+        result[key.strip()] = value.strip()
+    return result
+
+
+def describe(config: object) -> str:
+    """The configuration as TOML-like lines, for the start-up banner."""
+    lines: list[str] = []
+    _describe(config, "", lines)
+    return "\n".join(lines)
+
+
+def _describe(obj: object, prefix: str, lines: list[str]) -> None:
+    assert dataclasses.is_dataclass(obj)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _describe(value, key + ".", lines)
+        elif key.startswith("auth.tokens") and isinstance(value, Mapping):
+            lines.append(f"{key} = <{len(value)} learners>")
+        else:
+            lines.append(f"{key} = {value!r}")
+
+
+class _Locator:
+    """Finds the line a key was written on, for error messages."""
+
+    def __init__(self, path: str, text: str, overridden: set[str]) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+        self.overridden = overridden
+
+    def __call__(self, keys: tuple[str, ...]) -> str:
+        if not self.path or ".".join(keys) in self.overridden:
+            return "(from --set)"
+        section = ".".join(keys[:-1])
+        in_section = section == ""
+        for number, line in enumerate(self.lines, start=1):
+            stripped = line.split("#", 1)[0].strip()
+            header = re.fullmatch(r"\[\[?\s*([^\]]+?)\s*\]\]?", stripped)
+            if header:
+                in_section = header.group(1).replace('"', "") == section
+                continue
+            if in_section and re.match(rf'"?{re.escape(keys[-1])}"?\s*=', stripped):
+                return f"({self.path}, line {number})"
+            dotted = ".".join(keys)
+            if re.match(rf"{re.escape(dotted)}\s*=", stripped):
+                return f"({self.path}, line {number})"
+        return f"({self.path})"
+
+
+def _build(cls: type[T], data: Mapping[str, Any], prefix: tuple[str, ...],
+           where: _Locator) -> T:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{'.'.join(prefix)} must be a table {where(prefix)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        keys = (*prefix, key)
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {'.'.join((*prefix, close[0]))!r}?" if close else ""
+            raise ConfigError(f"unknown key {'.'.join(keys)!r} {where(keys)}{hint}")
+        kwargs[key] = _coerce(hints[key], value, keys, where)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        bad = _key_named_in(str(exc), prefix, data)
+        raise ConfigError(f"{exc} {where(bad)}") from exc
+
+
+def _key_named_in(message: str, prefix: tuple[str, ...],
+                  data: Mapping[str, Any]) -> tuple[str, ...]:
+    for key in data:
+        if re.search(rf"\b{re.escape(key)}\b", message):
+            return (*prefix, key)
+    return (*prefix, next(iter(data), ""))
+
+
+def _coerce(hint: Any, value: Any, keys: tuple[str, ...], where: _Locator) -> Any:
+    name = ".".join(keys)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, keys, where)  # type: ignore[arg-type]
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{name} must be one of {list(allowed)} "
+                              f"(got {value!r}) {where(keys)}")
+        return value
+    if origin in (Mapping, dict) or hint is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name} must be a table {where(keys)}")
+        _, value_type = typing.get_args(hint) or (str, Any)
+        return {str(k): _coerce(value_type, v, (*keys, str(k)), where) for k, v in value.items()}
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be an array {where(keys)}")
+        (item_type, *_) = typing.get_args(hint) or (Any,)
+        items = [_coerce(item_type, v, (*keys, str(i)), where) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(options[0], value, keys, where)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and isinstance(value, hint) and not (
+            hint is int and isinstance(value, bool)):
+        return value
+    expected = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{name} must be {expected}, got {type(value).__name__} {value!r} "
+                      f"{where(keys)}")
+
+
+def _parse_override(raw: str) -> Any:
+    """A `--set` value: TOML syntax when it parses, a bare string otherwise."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a table")
+        node = child
+    node[last] = value

@@ -1,0 +1,52 @@
+"""Running the synchronizer: the gRPC server around one engine.
+
+`serve()` is what `ftsync-coordinator` runs: it resumes from the state
+directory, listens, prints one `listening on HOST:PORT` line (the real port,
+also when asked for port 0) and stops cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import grpc
+
+from coordinator.config import CoordinatorConfig, describe
+from coordinator.engine import Engine
+from coordinator.service import AdminService, SynchronizerService
+from protos import ftsync_pb2_grpc as pb_grpc
+from protos.codec import MAX_CHUNK_BYTES
+
+# gRPC's own limit sits above ours, so an oversize chunk between the two
+# gets our error (named and counted) rather than gRPC's.
+GRPC_MAX_MESSAGE = 2 * MAX_CHUNK_BYTES
+
+
+async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set or a termination signal arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(config)
+    await engine.start()
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+    ])
+    pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)
+    host = config.listen.rsplit(":", 1)[0]
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}")
+    await server.start()
+    print(describe(config), file=sys.stderr, flush=True)
+    print(f"ftsync-coordinator listening on {host}:{port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=2.0)
+        await engine.stop()

@@ -1,0 +1,447 @@
+"""The synchronizer's engine: policy core + fragment store + clock + timers.
+
+The gRPC servicer (`coordinator.service`) is a thin translation layer over
+this; the engine validates every request, asks the pure policy what to do,
+does the numeric and durable work through the fragment store, counts
+everything in metrics and the event log, and closes rounds when the policy
+says they are due. Every refusal is a `Rejected` raised before any state
+changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import CoordinatorConfig
+from coordinator.durability import RunRecord, StateDir
+from coordinator.errors import Reason, Rejected
+from coordinator.merge import first_non_finite, norm_sq
+from coordinator.metrics import Metrics
+from coordinator.policy import ContributionId, Offer, Policy
+from coordinator.store import FragmentStore, Published
+from protos import ftsync_pb2 as pb
+from protos.codec import MAX_CHUNK_BYTES, CodecError, codec_for, decode_chunk_into
+from protos.events import EventLog
+
+# How often the round timer looks at liveness when no deadline is nearer.
+_TICK_S = 0.05
+
+
+@dataclass
+class LearnerStats:
+    host: str = ""
+    contributions: int = 0
+    rejections: int = 0
+    bytes_in: int = 0
+    backlog: int = 0
+    local_step: int = 0
+
+
+@dataclass(frozen=True)
+class FragmentView:
+    """One fragment as a learner sees it: published version and its watermark."""
+
+    fragment: int
+    version: int
+    merged_seq: int
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    run_id: str
+    fragments: list[FragmentView]
+    next_seq: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    seq: int
+    target_version: int
+    weight: float
+    staleness: int
+
+
+class Engine:
+    """Everything the daemon does, minus gRPC."""
+
+    def __init__(self, config: CoordinatorConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.started_at = clock()
+        self.state = StateDir(config.state_dir, fsync=config.fsync)
+        self.tokens = config.tokens()
+        self.metrics = Metrics(config.metrics)
+        self.events = EventLog(config.event_log)
+        self.learners: dict[str, LearnerStats] = {}
+        self.rejections: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.run: RunRecord | None = None
+        self.store: FragmentStore | None = None
+        self.policy: Policy | None = None
+        self._wake = asyncio.Event()
+        self._timer: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resume from the state directory, if it holds a run, and start the round timer."""
+        run = self.state.load_run()
+        if run is not None:
+            versions = self._adopt(run)
+            self.events.emit("resume", run_id=run.run_id, versions=versions)
+        self._timer = asyncio.create_task(self._round_timer(), name="round-timer")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        self.metrics.close()
+        self.events.close()
+
+    # -- membership -----------------------------------------------------------
+
+    def authenticate(self, learner_id: str, token: str | None) -> None:
+        if not learner_id:
+            raise Rejected(Reason.MALFORMED, "learner_id is empty")
+        if not self.tokens:
+            return
+        expected = self.tokens.get(learner_id)
+        if expected is None:
+            raise Rejected(Reason.UNAUTHENTICATED,
+                           f"learner {learner_id!r} has no token configured on this coordinator")
+        if token != expected:
+            raise Rejected(Reason.UNAUTHENTICATED,
+                           f"bad or missing bearer token for learner {learner_id!r}")
+
+    def join(self, request: pb.JoinRequest) -> JoinResult:
+        layout = request.layout
+        numels = tuple(int(f.numel) for f in layout.fragments)
+        if [f.fragment for f in layout.fragments] != list(range(len(numels))) or not numels:
+            raise Rejected(Reason.MALFORMED,
+                           "layout must list fragments 0..P-1 in order, at least one")
+        if any(n == 0 for n in numels):
+            raise Rejected(Reason.MALFORMED, "layout has an empty fragment")
+        if self.run is None:
+            pinned = self.config.layout_hash
+            if pinned and pinned != layout.hash:
+                raise Rejected(Reason.LAYOUT_MISMATCH,
+                               f"layout hash {layout.hash!r} differs from the pinned "
+                               f"{pinned!r}; learners must use the run's model and "
+                               f"fragment count")
+            run = RunRecord(run_id=uuid.uuid4().hex[:12], layout_hash=layout.hash, numels=numels)
+            self.state.save_run(run)
+            self._adopt(run)
+        assert self.run is not None and self.policy is not None
+        if layout.hash != self.run.layout_hash:
+            raise Rejected(Reason.LAYOUT_MISMATCH,
+                           f"layout hash {layout.hash!r} ({len(numels)} fragments) differs "
+                           f"from the run's {self.run.layout_hash!r} "
+                           f"({len(self.run.numels)} fragments); learners must use the "
+                           f"same model and fragment count")
+        if numels != self.run.numels:
+            diffs = [f"fragment {p} has {mine} elements, the run's has {theirs}"
+                     for p, (mine, theirs) in enumerate(zip(numels, self.run.numels,
+                                                            strict=False)) if mine != theirs]
+            counts = f"it has {len(numels)} fragments, the run has {len(self.run.numels)} fragments"
+            raise Rejected(Reason.LAYOUT_MISMATCH,
+                           f"layout {layout.hash!r} does not match the run's: "
+                           f"{'; '.join(diffs) or counts}")
+        next_seq = self.policy.join(request.learner_id, self.clock(),
+                                    request.overlap_steps or None)
+        stats = self.learners.setdefault(request.learner_id, LearnerStats())
+        stats.host = request.host
+        self.events.emit("join", learner=request.learner_id, host=request.host,
+                         pid=request.pid, next_seq=next_seq)
+        return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq)
+
+    def heartbeat(self, learner_id: str, local_step: int, backlog: int) -> list[FragmentView]:
+        policy = self._policy()
+        policy.require_member(learner_id)
+        policy.heartbeat(learner_id, self.clock(), local_step)
+        stats = self.learners.setdefault(learner_id, LearnerStats())
+        stats.local_step, stats.backlog = local_step, backlog
+        self._wake.set()
+        return self.views(learner_id)
+
+    def leave(self, learner_id: str, reason: str) -> None:
+        self._policy().leave(learner_id)
+        self.events.emit("leave", learner=learner_id, reason=reason)
+        self._wake.set()
+
+    def views(self, learner_id: str) -> list[FragmentView]:
+        """Published (durable) versions and this learner's merged-seq watermarks."""
+        store = self._store()
+        views = []
+        for p, published in enumerate(store.snapshot()):
+            if published is None:
+                views.append(FragmentView(p, -1, 0))
+            else:
+                views.append(FragmentView(p, published.version,
+                                          published.watermarks.get(learner_id, 0)))
+        return views
+
+    # -- pushes ---------------------------------------------------------------
+
+    async def push(self, header: pb.PushHeader,
+                   chunks: AsyncIterator[pb.PushMessage]) -> PushResult:
+        """Receive one contribution (or a fragment's initial value) and fold it in."""
+        policy, store = self._policy(), self._store()
+        policy.require_member(header.learner_id)
+        p = header.fragment
+        self._check_fragment(p)
+        assert self.run is not None
+        if header.layout_hash != self.run.layout_hash:
+            raise Rejected(Reason.LAYOUT_MISMATCH,
+                           f"layout hash {header.layout_hash!r} differs from the run's "
+                           f"{self.run.layout_hash!r}")
+        if header.numel != store.numel(p):
+            raise Rejected(Reason.BAD_SHAPE,
+                           f"fragment {p} has {store.numel(p)} elements, the push declares "
+                           f"{header.numel}")
+        try:
+            codec = codec_for(header.codec)
+        except CodecError as exc:
+            raise Rejected(Reason.BAD_ENCODING, str(exc)) from exc
+        offer = Offer(ContributionId(header.learner_id, p, header.seq, header.base_version),
+                      c_tokens=header.c_tokens, c_steps=header.c_steps,
+                      local_step=header.local_step)
+        if header.init:
+            if codec.name != "fp32":
+                raise Rejected(Reason.BAD_ENCODING, "an initial value must be sent as fp32")
+            self._check_uninitialized(p)
+        else:
+            policy.admit(offer, self.clock())
+        async with store.staging.lease(store.numel(p)) as lease:
+            assert lease.buffer is not None
+            norm, nbytes = await self._receive(header, codec, chunks, lease.buffer)
+            stats = self.learners.setdefault(header.learner_id, LearnerStats())
+            stats.bytes_in += nbytes
+            self.bytes_in += nbytes
+            self.metrics.bytes_in.add(nbytes)
+            async with store.lock(p):
+                if header.init:
+                    self._check_uninitialized(p)
+                    if header.seq < 1:
+                        raise Rejected(Reason.MALFORMED,
+                                       f"seq must be at least 1 (got {header.seq})")
+                    await store.initialize(p, lease.buffer, {header.learner_id: header.seq})
+                    lease.buffer = None
+                    policy.initialize(p, header.learner_id, header.seq)
+                    self.events.emit("init", learner=header.learner_id, fragment=p,
+                                     seq=header.seq)
+                    return PushResult(header.seq, 0, 0.0, 0)
+                admission = policy.admit(offer, self.clock())
+                lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm)
+                policy.accept(admission, self.clock())
+        stats.contributions += 1
+        self.metrics.contributions.add(1, {"fragment": str(p)})
+        self.metrics.staleness.record(admission.staleness)
+        self.events.emit("push_ack", learner=header.learner_id, fragment=p, seq=header.seq,
+                         base_version=header.base_version, weight=admission.weight,
+                         staleness=admission.staleness, target=admission.target_version)
+        self._wake.set()
+        return PushResult(header.seq, admission.target_version, admission.weight,
+                          admission.staleness)
+
+    async def _receive(self, header: pb.PushHeader, codec: Any,
+                       messages: AsyncIterator[pb.PushMessage],
+                       out: np.ndarray) -> tuple[float, int]:
+        """Decode the chunk stream into `out`, checking order, sizes and values."""
+        numel = out.size
+        received = 0
+        total_sq = 0.0
+        nbytes = 0
+        async for message in messages:
+            if message.WhichOneof("kind") != "chunk":
+                raise Rejected(Reason.MALFORMED, "a push stream carries one header, then chunks")
+            chunk = message.chunk
+            if len(chunk.data) > MAX_CHUNK_BYTES:
+                raise Rejected(Reason.OVERSIZE,
+                               f"chunk at offset {chunk.offset} carries {len(chunk.data)} bytes; "
+                               f"the limit is {MAX_CHUNK_BYTES}")
+            if chunk.offset != received:
+                raise Rejected(Reason.MALFORMED,
+                               f"chunk at offset {chunk.offset}, expected offset {received} "
+                               f"(chunks go in order, without gaps)")
+            if chunk.count == 0 or chunk.offset + chunk.count > numel:
+                raise Rejected(Reason.BAD_SHAPE,
+                               f"chunk at offset {chunk.offset} with {chunk.count} elements "
+                               f"does not fit fragment {header.fragment} of {numel} elements")
+            try:
+                decode_chunk_into(chunk, codec, out)
+            except CodecError as exc:
+                raise Rejected(Reason.BAD_ENCODING, str(exc)) from exc
+            total_sq += norm_sq(out[chunk.offset:chunk.offset + chunk.count])
+            received += chunk.count
+            nbytes += len(chunk.data)
+        if received != numel:
+            raise Rejected(Reason.BAD_SHAPE,
+                           f"stream ended after {received} of {numel} elements of fragment "
+                           f"{header.fragment}")
+        if not math.isfinite(total_sq):
+            index = first_non_finite(out)
+            if index is not None:
+                raise Rejected(Reason.NOT_FINITE,
+                               f"element {index} of fragment {header.fragment} is "
+                               f"{float(out[index])}; contributions must be finite")
+            raise Rejected(Reason.NORM_BOUND, "the contribution's norm overflows fp32")
+        norm = math.sqrt(total_sq)
+        bound = self.config.limits.norm_bound
+        if not header.init and bound and norm > bound:
+            raise Rejected(Reason.NORM_BOUND,
+                           f"outer-gradient norm {norm:.4g} exceeds the bound {bound:.4g} "
+                           f"(limits.norm_bound)")
+        return norm, nbytes
+
+    def _check_uninitialized(self, fragment: int) -> None:
+        published = self._store().published(fragment)
+        if published is not None:
+            raise Rejected(Reason.ALREADY_INITIALIZED,
+                           f"fragment {fragment} already has version {published.version}; "
+                           f"pull it instead")
+
+    # -- pulls ------------------------------------------------------------------
+
+    async def pull(self, learner_id: str, fragment: int, have_version: int,
+                   wait_s: float) -> Published | None:
+        """The fragment if a version newer than `have_version` is published in time."""
+        self._check_pull(learner_id, fragment)
+        return await self._store().wait_newer(fragment, have_version, wait_s)
+
+    def snapshot(self, learner_id: str) -> list[Published | None]:
+        self._check_pull(learner_id, 0)
+        return self._store().snapshot()
+
+    def count_sent(self, nbytes: int) -> None:
+        self.bytes_out += nbytes
+        self.metrics.bytes_out.add(nbytes)
+
+    def _check_pull(self, learner_id: str, fragment: int) -> None:
+        self._policy().require_member(learner_id)
+        self._check_fragment(fragment)
+
+    def _check_fragment(self, fragment: int) -> None:
+        store = self._store()
+        if fragment >= len(store.slots):
+            raise Rejected(Reason.UNKNOWN_FRAGMENT,
+                           f"fragment {fragment} does not exist (this run has fragments "
+                           f"0..{len(store.slots) - 1})")
+
+    # -- rounds -----------------------------------------------------------------
+
+    async def _round_timer(self) -> None:
+        while True:
+            policy = self.policy
+            if policy is not None:
+                for p in policy.due(self.clock()):
+                    await self._close(p)
+                deadline = policy.next_deadline()
+            else:
+                deadline = None
+            wait = _TICK_S if deadline is None else min(_TICK_S, deadline - self.clock())
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+
+    async def _close(self, fragment: int) -> None:
+        policy, store = self._policy(), self._store()
+        async with store.lock(fragment):
+            if fragment not in policy.due(self.clock()):
+                return
+            started = self.clock()
+            close = policy.close(fragment, started)
+            manifest = [{"learner": c.id.learner_id, "seq": c.id.seq,
+                         "base_version": c.id.base_version, "weight": c.weight,
+                         "staleness": c.staleness} for c in close.manifest]
+            await store.commit(close, manifest)
+            sync_s = self.clock() - started
+            policy.record_sync_time(fragment, sync_s)
+        attrs = {"fragment": str(fragment)}
+        self.metrics.rounds.add(1, attrs)
+        self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
+        self.metrics.grace.record(close.grace_s, attrs)
+        self.metrics.sync_time.record(sync_s, attrs)
+        self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
+                         quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
+                         sync_s=sync_s)
+
+    # -- status -----------------------------------------------------------------
+
+    def status(self) -> pb.StatusResponse:
+        now = self.clock()
+        response = pb.StatusResponse(
+            run_id=self.run.run_id if self.run else "", uptime_s=now - self.started_at,
+            min_quorum=self.config.policy.min_quorum, bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out, layout_hash=self.run.layout_hash if self.run else "")
+        response.rejections.update(self.rejections)
+        policy, store = self.policy, self.store
+        if policy is None or store is None:
+            return response
+        for learner_id in sorted(policy.known_learners()):
+            stats = self.learners.get(learner_id, LearnerStats())
+            response.learners.append(pb.LearnerStatus(
+                learner_id=learner_id, live=policy.is_live(learner_id, now),
+                heartbeat_age_s=now - policy.last_seen(learner_id),
+                step_time_s=policy.step_time(learner_id) or 0.0,
+                local_step=stats.local_step, contributions=stats.contributions,
+                rejections=stats.rejections, bytes_in=stats.bytes_in, backlog=stats.backlog,
+                host=stats.host))
+        for p, published in enumerate(store.snapshot()):
+            opened_at, deadline = policy.round_timing(p)
+            commits, merged = store.stats(p)
+            response.fragments.append(pb.FragmentInfo(
+                fragment=p, version=published.version if published else -1,
+                numel=store.numel(p), round_learners=sorted(policy.round_learners(p)),
+                round_age_s=now - opened_at if opened_at is not None else 0.0,
+                grace_left_s=deadline - now if deadline is not None else -1.0,
+                commits=commits, merged_contributions=merged,
+                last_commit_age_s=now - published.committed_at if published else -1.0))
+        return response
+
+    # -- internals ---------------------------------------------------------------
+
+    def _adopt(self, run: RunRecord) -> dict[int, int]:
+        """Set up store and policy for `run`, resuming what the state directory
+        holds; returns the resumed versions."""
+        self.run = run
+        self.store = FragmentStore(self.state, self.config.outer, self.config.policy.merge,
+                                   run.numels, self.config.limits.staging_bytes)
+        records = self.store.resume()
+        versions = {p: records[p].version if p in records else -1
+                    for p in range(len(run.numels))}
+        watermarks = {p: r.watermarks for p, r in records.items()}
+        self.policy = Policy(self.config.policy, versions, watermarks)
+        return {p: v for p, v in versions.items() if v >= 0}
+
+    def _policy(self) -> Policy:
+        if self.policy is None:
+            raise Rejected(Reason.UNKNOWN_LEARNER, "no learner has joined this coordinator yet")
+        return self.policy
+
+    def _store(self) -> FragmentStore:
+        if self.store is None:
+            raise Rejected(Reason.UNKNOWN_LEARNER, "no learner has joined this coordinator yet")
+        return self.store
+
+    def record_rejection(self, rpc: str, learner_id: str, rejected: Rejected,
+                         **context: Any) -> None:
+        """Count a refusal in metrics and the event log; the one place that does."""
+        self.rejections[rejected.reason.value] += 1
+        self.metrics.rejections.add(1, {"reason": rejected.reason.value, "rpc": rpc})
+        if learner_id in self.learners:
+            self.learners[learner_id].rejections += 1
+        self.events.emit("reject", rpc=rpc, learner=learner_id, reason=rejected.reason.value,
+                         message=rejected.message, **context)

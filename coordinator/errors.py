@@ -1,0 +1,42 @@
+"""Why the synchronizer refuses something.
+
+One small vocabulary of rejection reasons, shared by the policy core (which
+must not import grpc), the fragment store and the gRPC shell. The shell maps
+each reason to a gRPC status code in one place (`coordinator.service`), and
+the reason's value is the label the rejection metrics are counted under.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.Enum):
+    UNAUTHENTICATED = "unauthenticated"
+    UNKNOWN_LEARNER = "unknown_learner"
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    NOT_INITIALIZED = "not_initialized"
+    ALREADY_INITIALIZED = "already_initialized"
+    FUTURE_VERSION = "future_version"
+    STALE = "stale"
+    REPLAYED = "replayed"
+    BAD_COUNTS = "bad_counts"
+    BAD_SHAPE = "bad_shape"
+    BAD_ENCODING = "bad_encoding"
+    NOT_FINITE = "not_finite"
+    NORM_BOUND = "norm_bound"
+    OVERSIZE = "oversize"
+    MALFORMED = "malformed"
+
+
+class Rejected(Exception):
+    """A request refused with a reason; raised before any state changes."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.message}"

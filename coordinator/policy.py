@@ -1,0 +1,404 @@
+"""The synchronizer's policy: a pure core, no I/O, clock injected.
+
+It decides who is live, which contributions are admitted and with what
+weight, when each fragment's open round closes, and what every committed
+version's manifest is. It never touches a socket, a file, a tensor or a
+clock: the gRPC shell (`coordinator.service`), the chaos harness and the
+simulator feed it events with a time `now` and act on what it answers. That
+is what makes every policy test deterministic and lets the simulator run the
+very rules the daemon runs.
+
+Per fragment there is one open round at a time. A round closes once it has
+contributions from at least `min_quorum` distinct learners and then either
+every live learner has contributed or its grace window has ended:
+
+    grace = clamp(γ · (τ · ξ_step − ξ_quorum − ξ_sync), 0, grace_max)
+
+and contributions are weighted `c_tokens · (c_tokens / c_steps) · (1 + s)^−a`
+with `s` the staleness in versions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from coordinator.errors import Reason, Rejected
+
+MergeRule = Literal["mean", "rda"]
+
+# Smoothing of the running timing estimates (ξ_step, ξ_sync).
+_EWMA = 0.3
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs of the policy; sync mode is just `min_quorum = M, grace_max_s = 0`."""
+
+    min_quorum: int = 1
+    gamma: float = 0.5
+    grace_max_s: float = 5.0
+    staleness_exponent: float = 0.5
+    max_staleness: int = 8
+    merge: MergeRule = "mean"
+    heartbeat_timeout_s: float = 10.0
+    default_overlap_steps: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.min_quorum >= 1, "min_quorum", "must be at least 1"),
+            (0.0 <= self.gamma <= 1.0, "gamma", "must be in [0, 1]"),
+            (self.grace_max_s >= 0.0, "grace_max_s", "must be >= 0"),
+            (self.staleness_exponent >= 0.0, "staleness_exponent", "must be >= 0"),
+            (self.max_staleness >= 0, "max_staleness", "must be >= 0"),
+            (self.merge in ("mean", "rda"), "merge", "must be 'mean' or 'rda'"),
+            (self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", "must be > 0"),
+            (self.default_overlap_steps >= 1, "default_overlap_steps", "must be >= 1"),
+        ]
+        for ok, key, problem in checks:
+            if not ok:
+                raise ValueError(f"policy.{key} {problem} (got {getattr(self, key)!r})")
+
+
+@dataclass(frozen=True)
+class ContributionId:
+    """What makes a contribution unique; manifests list these."""
+
+    learner_id: str
+    fragment: int
+    seq: int
+    base_version: int
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A contribution's header, as it arrives before its bytes."""
+
+    id: ContributionId
+    c_tokens: int
+    c_steps: int
+    local_step: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An offer the policy would accept now, and with what weight."""
+
+    offer: Offer
+    weight: float
+    staleness: int
+    target_version: int
+
+
+@dataclass(frozen=True)
+class MergedContribution:
+    id: ContributionId
+    weight: float
+    staleness: int
+
+
+@dataclass(frozen=True)
+class RoundClose:
+    """A closed round: the version it commits as and its manifest."""
+
+    fragment: int
+    version: int
+    manifest: tuple[MergedContribution, ...]
+    opened_at: float
+    quorum_at: float
+    closed_at: float
+    grace_s: float
+
+    @property
+    def total_weight(self) -> float:
+        return sum(c.weight for c in self.manifest)
+
+
+@dataclass
+class _Learner:
+    overlap_steps: int
+    joined_at: float
+    last_seen: float
+    left: bool = False
+    local_step: int = 0
+    step_sample_at: float | None = None
+    step_time_s: float | None = None
+
+
+@dataclass
+class _Round:
+    version: int  # the version this round commits as
+    contributions: list[MergedContribution] = field(default_factory=list)
+    opened_at: float | None = None  # first contribution's arrival
+    quorum_at: float | None = None
+    deadline: float | None = None
+    grace_s: float = 0.0
+
+    def learners(self) -> set[str]:
+        return {c.id.learner_id for c in self.contributions}
+
+
+@dataclass
+class _Fragment:
+    version: int  # -1: no initial value yet
+    round: _Round
+    sync_time_s: float | None = None
+    # Highest merged seq per learner: anything at or below it is done with.
+    merged_seq: dict[str, int] = field(default_factory=dict)
+
+
+class Policy:
+    """Membership, admission, rounds and manifests for every fragment."""
+
+    def __init__(self, config: PolicyConfig, versions: Mapping[int, int],
+                 merged_seq: Mapping[int, Mapping[str, int]] | None = None) -> None:
+        """`versions` maps each fragment to its committed version (-1: none yet);
+        `merged_seq` restores the per-learner watermarks after a restart."""
+        self.config = config
+        self._fragments = {
+            p: _Fragment(version=v, round=_Round(version=v + 1),
+                         merged_seq=dict((merged_seq or {}).get(p, {})))
+            for p, v in versions.items()
+        }
+        self._learners: dict[str, _Learner] = {}
+        # Highest seq ever seen per learner, so a restarted learner never reuses one.
+        self._seen_seq: dict[str, int] = {}
+        for watermarks in (merged_seq or {}).values():
+            for learner_id, seq in watermarks.items():
+                self._seen_seq[learner_id] = max(self._seen_seq.get(learner_id, 0), seq)
+
+    # -- membership -------------------------------------------------------
+
+    def join(self, learner_id: str, now: float, overlap_steps: int | None = None) -> int:
+        """Register (or re-register) a learner; returns the first seq it may use."""
+        self._learners[learner_id] = _Learner(
+            overlap_steps=overlap_steps or self.config.default_overlap_steps,
+            joined_at=now, last_seen=now)
+        return self._seen_seq.get(learner_id, 0) + 1
+
+    def heartbeat(self, learner_id: str, now: float, local_step: int) -> None:
+        learner = self._member(learner_id)
+        learner.last_seen = now
+        self._sample_step_time(learner, now, local_step)
+
+    def leave(self, learner_id: str) -> None:
+        self._member(learner_id).left = True
+
+    def require_member(self, learner_id: str) -> None:
+        """Raise `Rejected(UNKNOWN_LEARNER)` unless the learner has joined."""
+        self._member(learner_id)
+
+    def is_live(self, learner_id: str, now: float) -> bool:
+        learner = self._learners.get(learner_id)
+        return (learner is not None and not learner.left
+                and now - learner.last_seen <= self.config.heartbeat_timeout_s)
+
+    def live_learners(self, now: float) -> frozenset[str]:
+        return frozenset(lid for lid in self._learners if self.is_live(lid, now))
+
+    def known_learners(self) -> frozenset[str]:
+        return frozenset(self._learners)
+
+    def last_seen(self, learner_id: str) -> float:
+        learner = self._learners.get(learner_id)
+        return learner.last_seen if learner else math.nan
+
+    def step_time(self, learner_id: str) -> float | None:
+        learner = self._learners.get(learner_id)
+        return learner.step_time_s if learner else None
+
+    # -- fragments ---------------------------------------------------------
+
+    @property
+    def fragments(self) -> tuple[int, ...]:
+        return tuple(self._fragments)
+
+    def version(self, fragment: int) -> int:
+        """The newest version decided (closed) for `fragment`; -1 before init."""
+        return self._fragment(fragment).version
+
+    def merged_seq(self, fragment: int, learner_id: str) -> int:
+        return self._fragment(fragment).merged_seq.get(learner_id, 0)
+
+    def watermarks(self, fragment: int) -> dict[str, int]:
+        return dict(self._fragment(fragment).merged_seq)
+
+    def round_learners(self, fragment: int) -> frozenset[str]:
+        return frozenset(self._fragment(fragment).round.learners())
+
+    def round_timing(self, fragment: int) -> tuple[float | None, float | None]:
+        """(first arrival, grace deadline) of the open round."""
+        rnd = self._fragment(fragment).round
+        return rnd.opened_at, rnd.deadline
+
+    def initialize(self, fragment: int, learner_id: str, seq: int) -> None:
+        """Record that `fragment` now has its initial value as version 0, pushed by
+        `learner_id` as contribution `seq` (an id that is then used up)."""
+        frag = self._fragment(fragment)
+        if frag.version >= 0:
+            raise Rejected(Reason.ALREADY_INITIALIZED,
+                           f"fragment {fragment} already has version {frag.version}")
+        frag.version = 0
+        frag.round = _Round(version=1)
+        frag.merged_seq[learner_id] = max(frag.merged_seq.get(learner_id, 0), seq)
+        self._seen_seq[learner_id] = max(self._seen_seq.get(learner_id, 0), seq)
+
+    # -- contributions -----------------------------------------------------
+
+    def admit(self, offer: Offer, now: float) -> Admission:
+        """Whether `offer` would join the open round now, and its weight.
+
+        Changes nothing: the shell calls it on the header (to refuse early) and
+        again before folding the bytes in, then `accept`."""
+        cid = offer.id
+        self._member(cid.learner_id)
+        frag = self._fragment(cid.fragment)
+        if frag.version < 0:
+            raise Rejected(Reason.NOT_INITIALIZED,
+                           f"fragment {cid.fragment} has no initial value yet; push it with init")
+        if offer.c_tokens <= 0 or offer.c_steps <= 0:
+            raise Rejected(Reason.BAD_COUNTS,
+                           f"c_tokens and c_steps must be positive "
+                           f"(got {offer.c_tokens} and {offer.c_steps})")
+        if cid.base_version > frag.version:
+            raise Rejected(Reason.FUTURE_VERSION,
+                           f"base version {cid.base_version} of fragment {cid.fragment} is newer "
+                           f"than its current version {frag.version}")
+        if cid.base_version < 0:
+            raise Rejected(Reason.MALFORMED, f"base version {cid.base_version} is negative")
+        if cid.seq < 1:
+            raise Rejected(Reason.MALFORMED, f"seq must be at least 1 (got {cid.seq})")
+        self._check_fresh(frag, cid)
+        staleness = frag.version - cid.base_version
+        if staleness > self.config.max_staleness:
+            raise Rejected(Reason.STALE,
+                           f"base version {cid.base_version} is {staleness} versions behind "
+                           f"{frag.version} (max_staleness {self.config.max_staleness}); "
+                           f"pull fragment {cid.fragment} and contribute against it")
+        weight = self.weight(offer.c_tokens, offer.c_steps, staleness)
+        return Admission(offer=offer, weight=weight, staleness=staleness,
+                         target_version=frag.round.version)
+
+    def accept(self, admission: Admission, now: float) -> None:
+        """Add an admitted contribution to its fragment's open round."""
+        offer = admission.offer
+        frag = self._fragment(offer.id.fragment)
+        if admission.target_version != frag.round.version:
+            raise ValueError("admission is for a round that has closed; admit again")
+        self._check_fresh(frag, offer.id)
+        learner = self._member(offer.id.learner_id)
+        learner.last_seen = now
+        self._sample_step_time(learner, now, offer.local_step)
+        self._seen_seq[offer.id.learner_id] = max(
+            self._seen_seq.get(offer.id.learner_id, 0), offer.id.seq)
+        rnd = frag.round
+        rnd.contributions.append(MergedContribution(
+            id=offer.id, weight=admission.weight, staleness=admission.staleness))
+        if rnd.opened_at is None:
+            rnd.opened_at = now
+        if rnd.quorum_at is None and len(rnd.learners()) >= self.config.min_quorum:
+            rnd.quorum_at = now
+            rnd.grace_s = self._grace(frag, quorum_wait=now - rnd.opened_at, now=now)
+            rnd.deadline = now + rnd.grace_s
+
+    def weight(self, c_tokens: int, c_steps: int, staleness: int) -> float:
+        decay: float = (1.0 + staleness) ** (-self.config.staleness_exponent)
+        return c_tokens * (c_tokens / c_steps) * decay
+
+    # -- rounds ------------------------------------------------------------
+
+    def due(self, now: float) -> list[int]:
+        """Fragments whose open round should close now."""
+        return [p for p, frag in self._fragments.items() if self._is_due(frag, now)]
+
+    def next_deadline(self) -> float | None:
+        """The earliest grace deadline among rounds that have quorum."""
+        deadlines = [f.round.deadline for f in self._fragments.values()
+                     if f.round.deadline is not None]
+        return min(deadlines, default=None)
+
+    def close(self, fragment: int, now: float) -> RoundClose:
+        """Close the open round of `fragment` and open the next one."""
+        frag = self._fragment(fragment)
+        rnd = frag.round
+        if not self._is_due(frag, now):
+            raise ValueError(f"round of fragment {fragment} is not due at {now}")
+        assert rnd.opened_at is not None and rnd.quorum_at is not None
+        for c in rnd.contributions:
+            frag.merged_seq[c.id.learner_id] = max(
+                frag.merged_seq.get(c.id.learner_id, 0), c.id.seq)
+        frag.version = rnd.version
+        frag.round = _Round(version=rnd.version + 1)
+        return RoundClose(fragment=fragment, version=rnd.version,
+                          manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
+                          quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s)
+
+    def record_sync_time(self, fragment: int, seconds: float) -> None:
+        """Feed back how long merging and publishing a version took (ξ_sync)."""
+        frag = self._fragment(fragment)
+        frag.sync_time_s = _ewma(frag.sync_time_s, seconds)
+
+    # -- internals ---------------------------------------------------------
+
+    def _member(self, learner_id: str) -> _Learner:
+        learner = self._learners.get(learner_id)
+        if learner is None or learner.left:
+            raise Rejected(Reason.UNKNOWN_LEARNER,
+                           f"learner {learner_id!r} has not joined (or has left); call Join first")
+        return learner
+
+    def _fragment(self, fragment: int) -> _Fragment:
+        frag = self._fragments.get(fragment)
+        if frag is None:
+            raise Rejected(Reason.UNKNOWN_FRAGMENT,
+                           f"fragment {fragment} does not exist "
+                           f"(this run has fragments 0..{len(self._fragments) - 1})")
+        return frag
+
+    def _check_fresh(self, frag: _Fragment, cid: ContributionId) -> None:
+        for c in frag.round.contributions:
+            if c.id.learner_id == cid.learner_id and c.id.seq == cid.seq:
+                raise Rejected(Reason.REPLAYED,
+                               f"contribution {cid.learner_id}/{cid.fragment}/{cid.seq} is "
+                               f"already in the open round for version {frag.round.version}")
+        merged = frag.merged_seq.get(cid.learner_id, 0)
+        if cid.seq <= merged:
+            raise Rejected(Reason.REPLAYED,
+                           f"contribution {cid.learner_id}/{cid.fragment}/{cid.seq} is at or below "
+                           f"seq {merged}, already merged into fragment {cid.fragment} by "
+                           f"version {frag.version}")
+
+    def _is_due(self, frag: _Fragment, now: float) -> bool:
+        rnd = frag.round
+        if rnd.quorum_at is None or rnd.deadline is None:
+            return False
+        return now >= rnd.deadline or self.live_learners(now) <= rnd.learners()
+
+    def _grace(self, frag: _Fragment, quorum_wait: float, now: float) -> float:
+        live = [self._learners[lid] for lid in self.live_learners(now)]
+        step_times = [lr.step_time_s for lr in live if lr.step_time_s is not None]
+        if not step_times:
+            return self.config.grace_max_s
+        overlap = min(lr.overlap_steps for lr in live)
+        budget = overlap * max(step_times) - quorum_wait - (frag.sync_time_s or 0.0)
+        return min(max(self.config.gamma * budget, 0.0), self.config.grace_max_s)
+
+    @staticmethod
+    def _sample_step_time(learner: _Learner, now: float, local_step: int) -> None:
+        if local_step < learner.local_step:
+            learner.step_sample_at = None  # the learner restarted its count: re-anchor
+        if learner.step_sample_at is not None and local_step > learner.local_step:
+            per_step = (now - learner.step_sample_at) / (local_step - learner.local_step)
+            learner.step_time_s = _ewma(learner.step_time_s, per_step)
+        if learner.step_sample_at is None or local_step > learner.local_step:
+            learner.local_step = local_step
+            learner.step_sample_at = now
+
+
+def _ewma(previous: float | None, sample: float) -> float:
+    if previous is None:
+        return sample
+    return (1.0 - _EWMA) * previous + _EWMA * sample
+

@@ -1,0 +1,180 @@
+"""The gRPC shell: translates `Synchronizer` and `Admin` RPCs to the engine.
+
+It authenticates (per-learner bearer tokens in the `authorization`
+metadata), turns protobuf into engine calls and back, and maps every
+`Rejected` to a gRPC status here, in one table. No policy lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from coordinator.engine import Engine, FragmentView
+from coordinator.errors import Reason, Rejected
+from coordinator.store import Published
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
+from protos.codec import codec_named, iter_chunks
+
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+# Longest a pull may wait for a newer version before answering not_modified.
+MAX_PULL_WAIT_S = 60.0
+
+STATUS_CODES: dict[Reason, grpc.StatusCode] = {
+    Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.UNKNOWN_LEARNER: grpc.StatusCode.NOT_FOUND,
+    Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.ALREADY_INITIALIZED: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.FUTURE_VERSION: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.REPLAYED: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.BAD_COUNTS: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.BAD_SHAPE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.BAD_ENCODING: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NOT_FINITE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NORM_BOUND: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+_FP32 = codec_named("fp32")
+
+
+def bearer_token(context: Context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Join(self, request: pb.JoinRequest,
+                   context: Context) -> pb.JoinResponse:
+        def join() -> pb.JoinResponse:
+            result = self.engine.join(request)
+            config = self.engine.config
+            return pb.JoinResponse(
+                run_id=result.run_id, fragments=_statuses(result.fragments),
+                heartbeat_interval_ms=config.heartbeat_interval_ms,
+                chunk_bytes=config.limits.chunk_bytes,
+                max_staleness=config.policy.max_staleness, next_seq=result.next_seq)
+        return await self._call("Join", request.learner_id, context, join)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest,
+                        context: Context) -> pb.HeartbeatResponse:
+        def heartbeat() -> pb.HeartbeatResponse:
+            views = self.engine.heartbeat(request.learner_id, request.local_step,
+                                          request.backlog)
+            run_id = self.engine.run.run_id if self.engine.run else ""
+            return pb.HeartbeatResponse(run_id=run_id, fragments=_statuses(views))
+        return await self._call("Heartbeat", request.learner_id, context, heartbeat)
+
+    async def Leave(self, request: pb.LeaveRequest,
+                    context: Context) -> pb.LeaveResponse:
+        def leave() -> pb.LeaveResponse:
+            self.engine.leave(request.learner_id, request.reason)
+            return pb.LeaveResponse()
+        return await self._call("Leave", request.learner_id, context, leave)
+
+    async def PushFragment(self, request_iterator: AsyncIterator[pb.PushMessage],
+                           context: Context) -> pb.PushResponse:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            await self._abort(context, "PushFragment", "",
+                              Rejected(Reason.MALFORMED,
+                                       "a push stream starts with a header message"))
+        assert first is not None
+        header = first.header
+
+        async def push() -> pb.PushResponse:
+            result = await self.engine.push(header, request_iterator)
+            return pb.PushResponse(seq=result.seq, target_version=result.target_version,
+                                   weight=result.weight, staleness=result.staleness)
+        context_fields = {"fragment": header.fragment, "seq": header.seq,
+                          "base_version": header.base_version}
+        return await self._call_async("PushFragment", header.learner_id, context, push,
+                                      **context_fields)
+
+    async def PullFragment(self, request: pb.PullRequest,
+                           context: Context) -> AsyncIterator[pb.PullMessage]:
+        wait_s = min(request.wait_ms / 1000.0, MAX_PULL_WAIT_S)
+        try:
+            self.engine.authenticate(request.learner_id, bearer_token(context))
+            published = await self.engine.pull(request.learner_id, request.fragment,
+                                               request.have_version, wait_s)
+        except Rejected as rejected:
+            await self._abort(context, "PullFragment", request.learner_id, rejected)
+        if published is None:
+            yield pb.PullMessage(header=pb.PullHeader(
+                fragment=request.fragment, version=request.have_version, not_modified=True))
+            return
+        async for message in self._stream(request.learner_id, request.fragment, published):
+            yield message
+
+    async def FetchSnapshot(self, request: pb.SnapshotRequest,
+                            context: Context) -> AsyncIterator[pb.PullMessage]:
+        try:
+            self.engine.authenticate(request.learner_id, bearer_token(context))
+            snapshot = self.engine.snapshot(request.learner_id)
+        except Rejected as rejected:
+            await self._abort(context, "FetchSnapshot", request.learner_id, rejected)
+        for fragment, published in enumerate(snapshot):
+            if published is None:
+                yield pb.PullMessage(header=pb.PullHeader(fragment=fragment, version=-1))
+                continue
+            async for message in self._stream(request.learner_id, fragment, published):
+                yield message
+
+    async def _stream(self, learner_id: str, fragment: int,
+                      published: Published) -> AsyncIterator[pb.PullMessage]:
+        yield pb.PullMessage(header=pb.PullHeader(
+            fragment=fragment, version=published.version, numel=published.params.size,
+            merged_seq=published.watermarks.get(learner_id, 0)))
+        for chunk in iter_chunks(published.params, _FP32, self.engine.config.limits.chunk_bytes):
+            self.engine.count_sent(len(chunk.data))
+            yield pb.PullMessage(chunk=chunk)
+
+    async def _call(self, rpc: str, learner_id: str, context: Context,
+                    handler: Callable[[], T]) -> T:
+        async def run() -> T:
+            return handler()
+        return await self._call_async(rpc, learner_id, context, run)
+
+    async def _call_async(self, rpc: str, learner_id: str, context: Context,
+                          handler: Callable[[], Awaitable[T]], **event_fields: object) -> T:
+        try:
+            self.engine.authenticate(learner_id, bearer_token(context))
+            return await handler()
+        except Rejected as rejected:
+            await self._abort(context, rpc, learner_id, rejected, **event_fields)
+
+    async def _abort(self, context: Context, rpc: str, learner_id: str,
+                     rejected: Rejected, **event_fields: object) -> NoReturn:
+        self.engine.record_rejection(rpc, learner_id, rejected, **event_fields)
+        await context.abort(STATUS_CODES.get(rejected.reason, grpc.StatusCode.INVALID_ARGUMENT),
+                            f"{rejected.reason.value}: {rejected.message}")
+        raise AssertionError("context.abort returned")
+
+
+class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Status(self, request: pb.StatusRequest,
+                     context: Context) -> pb.StatusResponse:
+        return self.engine.status()
+
+
+def _statuses(views: list[FragmentView]) -> list[pb.FragmentStatus]:
+    return [pb.FragmentStatus(fragment=v.fragment, version=v.version, merged_seq=v.merged_seq)
+            for v in views]

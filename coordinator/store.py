@@ -1,0 +1,207 @@
+"""The fragment store: global fp32 fragments, outer-optimizer state, open-round
+accumulators and the staging memory that pushes stream into.
+
+Memory stays flat in the number of learners: per fragment the daemon holds
+the published parameters, the momentum and one accumulator, plus a fixed
+budget of staging buffers that concurrent pushes share (a push waits for
+room rather than allocating). Published parameter arrays are never written
+again; a commit builds the next version in the accumulator's buffer and
+swaps it in, so a pull streaming the old version is never torn.
+
+Called by `coordinator.engine`; heavy numpy work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import OuterConfig
+from coordinator.durability import FragmentRecord, StateDir
+from coordinator.merge import Accumulator, outer_step
+from coordinator.policy import MergeRule, RoundClose
+
+
+@dataclass(frozen=True)
+class Published:
+    """One committed, durable version of a fragment; immutable."""
+
+    version: int
+    params: np.ndarray
+    watermarks: dict[str, int]
+    committed_at: float
+
+
+@dataclass
+class _Slot:
+    numel: int
+    rule: MergeRule
+    published: Published | None = None
+    momentum: np.ndarray | None = None
+    accumulator: Accumulator = field(init=False)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    commits: int = 0
+    merged: int = 0
+
+    def __post_init__(self) -> None:
+        self.accumulator = Accumulator(self.rule)
+
+
+@dataclass
+class Lease:
+    """A staging buffer lent to one push; `buffer` is None once the store kept it."""
+
+    buffer: np.ndarray | None
+
+
+class StagingPool:
+    """A byte budget for fragment-sized staging buffers, shared by all pushes."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.in_use = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._room = asyncio.Condition()
+
+    @asynccontextmanager
+    async def lease(self, numel: int) -> AsyncIterator[Lease]:
+        """A float32 buffer of `numel` elements for one push; waits for room."""
+        nbytes = 4 * numel
+        async with self._room:
+            # A fragment larger than the whole budget still gets in, alone.
+            await self._room.wait_for(
+                lambda: self.in_use == 0 or self.in_use + nbytes <= self.budget)
+            self.in_use += nbytes
+        lease = Lease(self._take(numel))
+        try:
+            yield lease
+        finally:
+            if lease.buffer is not None:
+                self._free.setdefault(numel, []).append(lease.buffer)
+            async with self._room:
+                self.in_use -= nbytes
+                self._room.notify_all()
+
+    def _take(self, numel: int) -> np.ndarray:
+        free = self._free.get(numel)
+        return free.pop() if free else np.empty(numel, dtype=np.float32)
+
+
+class FragmentStore:
+    """Every fragment of the run, with durability and long-poll notification."""
+
+    def __init__(self, state: StateDir, outer: OuterConfig, rule: MergeRule,
+                 numels: tuple[int, ...], staging_bytes: int) -> None:
+        self.state = state
+        self.outer = outer
+        self.slots = [_Slot(numel=n, rule=rule) for n in numels]
+        largest = 4 * max(numels, default=0)
+        self.staging = StagingPool(staging_bytes or 2 * largest)
+        self.bytes_written = 0
+
+    def resume(self) -> dict[int, FragmentRecord]:
+        """Load every fragment's last durable version; returns what was found."""
+        found: dict[int, FragmentRecord] = {}
+        for p, slot in enumerate(self.slots):
+            record = self.state.load_fragment(p)
+            if record is None:
+                continue
+            if record.params.size != slot.numel:
+                raise ValueError(f"fragment {p} on disk has {record.params.size} elements, "
+                                 f"the run's layout says {slot.numel}")
+            slot.momentum = record.momentum
+            slot.published = Published(record.version, record.params, record.watermarks,
+                                       time.monotonic())
+            found[p] = record
+        return found
+
+    def published(self, fragment: int) -> Published | None:
+        return self.slots[fragment].published
+
+    def snapshot(self) -> list[Published | None]:
+        """A consistent vector of published versions (taken in one loop step)."""
+        return [slot.published for slot in self.slots]
+
+    def lock(self, fragment: int) -> asyncio.Lock:
+        return self.slots[fragment].lock
+
+    def numel(self, fragment: int) -> int:
+        return self.slots[fragment].numel
+
+    def stats(self, fragment: int) -> tuple[int, int]:
+        """(commits, merged contributions) since start."""
+        slot = self.slots[fragment]
+        return slot.commits, slot.merged
+
+    async def initialize(self, fragment: int, values: np.ndarray,
+                         watermarks: dict[str, int]) -> Published:
+        """Make `values` (owned by the store from now on) version 0. Hold the lock."""
+        slot = self.slots[fragment]
+        momentum = np.zeros(slot.numel, dtype=np.float32)
+        record = FragmentRecord(fragment, 0, values, momentum, watermarks, [])
+        self.bytes_written += await asyncio.to_thread(self.state.save_fragment, record)
+        slot.momentum = momentum
+        return await self._publish(slot, Published(0, values, watermarks, time.monotonic()))
+
+    async def fold(self, fragment: int, values: np.ndarray, weight: float,
+                   norm: float) -> np.ndarray | None:
+        """Fold a complete, validated contribution into the open round. Hold the lock.
+
+        Returns the staging buffer if it can go back to the pool."""
+        slot = self.slots[fragment]
+        spare = await asyncio.to_thread(slot.accumulator.fold, values, weight, norm)
+        slot.merged += 1
+        return spare
+
+    async def commit(self, close: RoundClose, manifest: list[dict[str, Any]]) -> Published:
+        """Merge the closed round, step the outer optimizer, write, publish. Hold the lock."""
+        slot = self.slots[close.fragment]
+        old = slot.published
+        assert old is not None and slot.momentum is not None
+        accumulator, slot.accumulator = slot.accumulator, Accumulator(slot.rule)
+        watermarks = dict(old.watermarks)
+        for c in close.manifest:
+            watermarks[c.id.learner_id] = max(watermarks.get(c.id.learner_id, 0), c.id.seq)
+        momentum = slot.momentum
+
+        def merge_and_write() -> tuple[np.ndarray, int]:
+            delta = accumulator.result(close.total_weight)
+            params = outer_step(self.outer, old.params, momentum, delta)
+            record = FragmentRecord(close.fragment, close.version, params, momentum,
+                                    watermarks, manifest)
+            return params, self.state.save_fragment(record)
+
+        params, written = await asyncio.to_thread(merge_and_write)
+        self.bytes_written += written
+        slot.commits += 1
+        return await self._publish(
+            slot, Published(close.version, params, watermarks, time.monotonic()))
+
+    async def wait_newer(self, fragment: int, have_version: int,
+                         timeout: float) -> Published | None:
+        """The published version if newer than `have_version`, waiting up to `timeout`."""
+        slot = self.slots[fragment]
+
+        def newer() -> bool:
+            return slot.published is not None and slot.published.version > have_version
+
+        async with slot.changed:
+            if not newer():
+                try:
+                    await asyncio.wait_for(slot.changed.wait_for(newer), timeout)
+                except TimeoutError:
+                    return None
+        return slot.published
+
+    async def _publish(self, slot: _Slot, published: Published) -> Published:
+        slot.published = published
+        async with slot.changed:
+            slot.changed.notify_all()
+        return published

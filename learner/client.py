@@ -1,0 +1,370 @@
+"""The learner's gRPC client to the synchronizer.
+
+It joins, heartbeats, pushes outer gradients and pulls merged fragments, and
+it owns the learner's half of exactly-once: every pushed contribution stays
+in an outbox until a committed manifest names it (the durable merged-seq
+watermark the coordinator reports reaches its seq), and is pushed again
+when the coordinator comes back without it. A contribution leaves the
+outbox only as merged, or as dropped with the coordinator's reason.
+Transport failures are retried with exponential backoff and jitter.
+
+Called by the learner runtime (`learner.streaming`) on its background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
+from protos.codec import Codec, codec_named, iter_chunks
+from protos.events import EventLog
+
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+]
+# Codes worth retrying: the coordinator is down, restarting or overloaded.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class Refused(Exception):
+    """The coordinator refused a request for a reason retrying won't fix."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @property
+    def reason(self) -> str:
+        """The coordinator's reason label (e.g. `stale`), from `reason: message`."""
+        return self.details.split(":", 1)[0]
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Exponential backoff with full jitter, bounded in total time."""
+
+    initial_s: float = 0.1
+    max_s: float = 2.0
+    give_up_after_s: float = 60.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_s
+        while True:
+            yield random.uniform(0, delay)
+            delay = min(delay * 2, self.max_s)
+
+
+@dataclass
+class Contribution:
+    """One pushed outer gradient, kept until a committed manifest names it."""
+
+    fragment: int
+    seq: int
+    base_version: int
+    c_tokens: int
+    c_steps: int
+    local_step: int
+    delta: np.ndarray
+    acknowledged: bool = False
+    in_flight: bool = False
+
+
+@dataclass(frozen=True)
+class Pulled:
+    fragment: int
+    version: int
+    values: np.ndarray
+    merged_seq: int
+
+
+@dataclass
+class OutboxStats:
+    merged: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    repushed: int = 0
+
+
+class SynchronizerClient:
+    """One learner's connection to one coordinator."""
+
+    def __init__(self, address: str, learner_id: str, layout_hash: str,
+                 numels: list[int], *, token: str | None = None, overlap_steps: int = 1,
+                 codec: str = "fp32", retry: Retry | None = None,
+                 events: EventLog | None = None, device: str = "cpu") -> None:
+        self.address = address
+        self.learner_id = learner_id
+        self.layout_hash = layout_hash
+        self.numels = numels
+        self.overlap_steps = overlap_steps
+        self.codec: Codec = codec_named(codec)
+        self.retry = retry or Retry()
+        self.events = events or EventLog("")
+        self.device = device
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # Made on first use, on the loop that will drive it.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_instance: pb_grpc.SynchronizerStub | None = None
+        self.run_id = ""
+        self.chunk_bytes = 2 << 20
+        self.heartbeat_interval_s = 1.0
+        self.versions: dict[int, int] = {}
+        self.watermarks: dict[int, int] = {}
+        self.outbox: dict[tuple[int, int], Contribution] = {}
+        self.stats = OutboxStats()
+        self._next_seq = 1
+        self._joins = 0
+        self._rejoin = asyncio.Lock()
+
+    # -- membership -------------------------------------------------------------
+
+    async def join(self) -> pb.JoinResponse:
+        """Join (or re-join after a coordinator restart), retrying while it is down."""
+        request = pb.JoinRequest(
+            learner_id=self.learner_id, overlap_steps=self.overlap_steps,
+            host=socket.gethostname(), pid=os.getpid(), device=self.device,
+            layout=pb.Layout(hash=self.layout_hash, fragments=[
+                pb.FragmentSpec(fragment=i, numel=n) for i, n in enumerate(self.numels)]))
+        response: pb.JoinResponse = await self._retrying(
+            lambda: self._stub.Join(request, metadata=self._metadata, timeout=10))
+        self.run_id = response.run_id
+        self.chunk_bytes = response.chunk_bytes or self.chunk_bytes
+        self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0 or 1.0
+        self._next_seq = max(self._next_seq, response.next_seq)
+        self._observe(response.fragments)
+        for contribution in self.outbox.values():
+            contribution.acknowledged = False
+        self._joins += 1
+        self.events.emit("join", learner=self.learner_id, run_id=self.run_id,
+                         versions=dict(self.versions))
+        return response
+
+    async def heartbeat(self, local_step: int) -> None:
+        request = pb.HeartbeatRequest(learner_id=self.learner_id, local_step=local_step,
+                                      backlog=len(self.outbox))
+        response = await self._call(
+            lambda: self._stub.Heartbeat(request, metadata=self._metadata, timeout=5))
+        self._observe(response.fragments)
+
+    async def leave(self, reason: str) -> None:
+        # Leaving a coordinator that is gone is nothing to report.
+        with contextlib.suppress(grpc.RpcError):
+            await self._stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, reason=reason),
+                                   metadata=self._metadata, timeout=5)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+
+    @property
+    def _stub(self) -> pb_grpc.SynchronizerStub:
+        if self._stub_instance is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._stub_instance = pb_grpc.SynchronizerStub(self._channel)
+        return self._stub_instance
+
+    # -- pushes ---------------------------------------------------------------------
+
+    async def push_initial(self, fragment: int, values: np.ndarray) -> bool:
+        """Offer our values as the fragment's version 0; False if another learner won."""
+        header = pb.PushHeader(learner_id=self.learner_id, fragment=fragment,
+                               layout_hash=self.layout_hash, seq=self._take_seq(), init=True,
+                               codec=codec_named("fp32").wire, numel=values.size)
+        try:
+            await self._call(lambda: self._push(header, values, codec_named("fp32")))
+        except Refused as refused:
+            if refused.code == grpc.StatusCode.ALREADY_EXISTS:
+                return False
+            raise
+        return True
+
+    async def push(self, fragment: int, delta: np.ndarray, base_version: int, c_tokens: int,
+                   c_steps: int, local_step: int) -> None:
+        """Push an outer gradient; it stays in the outbox until merged or dropped."""
+        contribution = Contribution(fragment, self._take_seq(), base_version, c_tokens,
+                                    c_steps, local_step, delta)
+        self.outbox[(fragment, contribution.seq)] = contribution
+        await self._send(contribution)
+
+    async def repush_unacknowledged(self) -> None:
+        """Push again whatever the coordinator does not hold (after it restarted)."""
+        for contribution in sorted(self.outbox.values(), key=lambda c: c.seq):
+            if (not contribution.acknowledged and not contribution.in_flight
+                    and (contribution.fragment, contribution.seq) in self.outbox):
+                self.stats.repushed += 1
+                await self._send(contribution)
+
+    @property
+    def backlog(self) -> int:
+        return len(self.outbox)
+
+    async def _send(self, c: Contribution) -> None:
+        header = pb.PushHeader(
+            learner_id=self.learner_id, fragment=c.fragment, layout_hash=self.layout_hash,
+            seq=c.seq, base_version=c.base_version, c_tokens=c.c_tokens, c_steps=c.c_steps,
+            local_step=c.local_step, codec=self.codec.wire, numel=c.delta.size)
+        self.events.emit("push_invoke", learner=self.learner_id, fragment=c.fragment,
+                         seq=c.seq, base_version=c.base_version)
+        c.in_flight = True
+        try:
+            ack = await self._call(lambda: self._push(header, c.delta, self.codec))
+        except Refused as refused:
+            if refused.reason == "replayed" and "already merged" in refused.details:
+                self._settle(c, merged=True)
+            elif refused.reason == "replayed":
+                c.acknowledged = True  # the open round already holds it
+            else:
+                self._settle(c, merged=False, reason=refused.reason, detail=refused.details)
+            return
+        except (grpc.RpcError, TimeoutError) as exc:
+            # Still in the outbox: pushed again once the coordinator is back.
+            self.events.emit("push_unsent", learner=self.learner_id, fragment=c.fragment,
+                             seq=c.seq, error=str(exc)[:200])
+            return
+        finally:
+            c.in_flight = False
+        c.acknowledged = True
+        self.events.emit("push_ack", learner=self.learner_id, fragment=c.fragment, seq=c.seq,
+                         target=ack.target_version, weight=ack.weight,
+                         staleness=ack.staleness)
+
+    async def _push(self, header: pb.PushHeader, values: np.ndarray,
+                    codec: Codec) -> pb.PushResponse:
+        chunk_bytes = self.chunk_bytes
+
+        async def messages() -> AsyncIterator[pb.PushMessage]:
+            yield pb.PushMessage(header=header)
+            for chunk in iter_chunks(values, codec, chunk_bytes):
+                yield pb.PushMessage(chunk=chunk)
+
+        response: pb.PushResponse = await self._stub.PushFragment(
+            messages(), metadata=self._metadata, timeout=300)
+        return response
+
+    # -- pulls ----------------------------------------------------------------------
+
+    async def pull(self, fragment: int, have_version: int, wait_s: float) -> Pulled | None:
+        """The fragment if a version newer than `have_version` appears within `wait_s`."""
+        request = pb.PullRequest(learner_id=self.learner_id, fragment=fragment,
+                                 have_version=have_version, wait_ms=int(wait_s * 1000))
+
+        async def pull_once() -> Pulled | None:
+            stream = self._stub.PullFragment(request, metadata=self._metadata,
+                                             timeout=wait_s + 300)
+            return await self._read_fragments(aiter(stream), only=fragment)
+        return await self._call(pull_once)
+
+    async def snapshot(self) -> dict[int, Pulled]:
+        """Every published fragment, at one consistent vector of versions."""
+        async def fetch() -> dict[int, Pulled]:
+            stream = aiter(self._stub.FetchSnapshot(
+                pb.SnapshotRequest(learner_id=self.learner_id), metadata=self._metadata,
+                timeout=600))
+            result: dict[int, Pulled] = {}
+            while (pulled := await self._read_fragments(stream)) is not None:
+                result[pulled.fragment] = pulled
+            return result
+        return await self._call(fetch)
+
+    async def _read_fragments(self, stream: AsyncIterator[pb.PullMessage],
+                              only: int | None = None) -> Pulled | None:
+        """Read the next fragment (header + chunks) of a pull or snapshot stream;
+        None at the end of the stream or for a pull answered not_modified."""
+        while True:
+            message = await anext(stream, None)
+            if message is None:
+                return None
+            header = message.header
+            if message.WhichOneof("kind") != "header" or (only is not None
+                                                          and header.fragment != only):
+                raise RuntimeError("pull stream out of order: expected a fragment header")
+            if header.not_modified:
+                return None
+            if header.version >= 0:
+                break  # fragments without a version yet come as a bare header
+        values = np.empty(header.numel, dtype=np.float32)
+        received = 0
+        while received < header.numel:
+            message = await anext(stream, None)
+            if message is None or message.WhichOneof("kind") != "chunk":
+                raise RuntimeError(f"pull of fragment {header.fragment} ended after "
+                                   f"{received} of {header.numel} elements")
+            chunk = message.chunk
+            values[chunk.offset:chunk.offset + chunk.count] = np.frombuffer(chunk.data, "<f4")
+            received += chunk.count
+        self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
+                                         merged_seq=header.merged_seq)])
+        return Pulled(header.fragment, header.version, values, header.merged_seq)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _observe(self, statuses: Iterable[pb.FragmentStatus]) -> None:
+        """Learn versions and durable watermarks; settle merged contributions."""
+        for status in statuses:
+            self.versions[status.fragment] = max(self.versions.get(status.fragment, -1),
+                                                 status.version)
+            self.watermarks[status.fragment] = status.merged_seq
+            for c in [c for c in self.outbox.values()
+                      if c.fragment == status.fragment and c.seq <= status.merged_seq]:
+                self._settle(c, merged=True)
+
+    def _settle(self, c: Contribution, merged: bool, reason: str = "",
+                detail: str = "") -> None:
+        if self.outbox.pop((c.fragment, c.seq), None) is None:
+            return
+        if merged:
+            self.stats.merged += 1
+            self.events.emit("merged", learner=self.learner_id, fragment=c.fragment, seq=c.seq)
+        else:
+            self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+            self.events.emit("dropped", learner=self.learner_id, fragment=c.fragment,
+                             seq=c.seq, reason=reason, detail=detail)
+
+    async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run `call`, re-joining once if the coordinator no longer knows us
+        (it restarted), and then pushing again what it lost."""
+        joins = self._joins
+        try:
+            return await self._retrying(call)
+        except Refused as refused:
+            if refused.reason != "unknown_learner":
+                raise
+        async with self._rejoin:
+            if joins == self._joins:
+                await self.join()
+                await self.repush_unacknowledged()
+        return await self._retrying(call)
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.retry.give_up_after_s
+        delays = self.retry.delays()
+        while True:
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _TRANSIENT:
+                    raise Refused(exc.code(), exc.details() or "") from exc
+                if loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(next(delays))

@@ -1,0 +1,219 @@
+"""Streaming fragments for a training loop that never waits.
+
+The training loop calls `step(tokens)` after each inner step. Fragment p is
+due when `(step − t_p) mod H == 0` with `t_p = floor(p·H/P)`: its outer
+gradient `Δ = Θ_base − θ` goes to the synchronizer in the background, and
+the merged fragment is applied `τ` steps later as `θ ← α·θ + (1−α)·Θ_new`
+(as soon after as it has arrived; the loop never blocks on it). A background
+thread runs the gRPC client's event loop, the heartbeat and the pushes and
+pulls, through bounded queues. Parameters are seen as flat fp32 vectors
+through `read`/`write` callbacks, so numpy and torch models share this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from learner.client import Pulled, SynchronizerClient
+
+ReadFragment = Callable[[int], np.ndarray]
+WriteFragment = Callable[[int, np.ndarray], None]
+
+
+def offsets(sync_every: int, fragments: int) -> list[int]:
+    """t_p = floor(p·H/P): fragments are due at staggered steps."""
+    return [p * sync_every // fragments for p in range(fragments)]
+
+
+def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
+    """Fragments whose outer gradient is due after inner step `step` (1-based)."""
+    return [p for p, t in enumerate(offsets(sync_every, fragments))
+            if step > t and (step - t) % sync_every == 0]
+
+
+@dataclass
+class _FragmentState:
+    base: np.ndarray
+    base_version: int
+    tokens: int = 0
+    steps: int = 0
+    apply_at: int | None = None
+    pending: Future[Pulled | None] | None = None
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    sync_every: int = 50
+    overlap_steps: int = 1
+    alpha: float = 0.0
+    # Outer gradients waiting to be sent, beyond which the oldest is dropped.
+    max_backlog: int = 8
+    pull_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
+        if self.overlap_steps < 1:
+            raise ValueError(f"overlap (τ) must be >= 1, got {self.overlap_steps}")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+
+
+class FragmentSync:
+    """Owns the background loop, the per-fragment base and the schedule."""
+
+    def __init__(self, client: SynchronizerClient, settings: SyncSettings,
+                 read: ReadFragment, write: WriteFragment) -> None:
+        self.client = client
+        self.settings = settings
+        self.read = read
+        self.write = write
+        self.local_step = 0
+        self.fragments: list[_FragmentState] = []
+        self.applied_versions: dict[int, int] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ftsync-client",
+                                        daemon=True)
+        self._sends: asyncio.Queue[tuple[int, np.ndarray, int, int, int, int]] | None = None
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Join, agree on the initial values with the other learners, start the loop."""
+        self._thread.start()
+        self._run(self._start(), timeout)
+
+    async def _start(self) -> None:
+        response = await self.client.join()
+        for status in response.fragments:
+            if status.version < 0:
+                await self.client.push_initial(status.fragment, self.read(status.fragment))
+        snapshot: dict[int, Pulled] = {}
+        while len(snapshot) < len(self.client.numels):
+            snapshot = await self.client.snapshot()
+            if len(snapshot) < len(self.client.numels):
+                await asyncio.sleep(0.1)  # another learner is still pushing its init
+        for p in range(len(self.client.numels)):
+            pulled = snapshot[p]
+            self.write(p, pulled.values)
+            self.fragments.append(_FragmentState(base=pulled.values.copy(),
+                                                 base_version=pulled.version))
+            self.applied_versions[p] = pulled.version
+        self._sends = asyncio.Queue()
+        self._loop.create_task(self._sender(), name="sender")
+        self._loop.create_task(self._heartbeats(), name="heartbeats")
+
+    def close(self, reason: str = "done", flush_timeout: float = 30.0) -> None:
+        """Send what is queued (within the timeout), leave, stop the loop."""
+        if not self._thread.is_alive():
+            return
+        self._stopping = True
+        try:
+            self._run(self._close(reason, flush_timeout), flush_timeout + 10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _close(self, reason: str, flush_timeout: float) -> None:
+        if self._sends is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
+        await self.client.leave(reason)
+        await self.client.close()
+
+    # -- the training loop's side --------------------------------------------------
+
+    def step(self, tokens: int) -> None:
+        """Call after every inner step; never blocks on the network."""
+        self.local_step += 1
+        for state in self.fragments:
+            state.tokens += tokens
+            state.steps += 1
+        for p, state in enumerate(self.fragments):
+            self._maybe_apply(p, state)
+        for p in due_fragments(self.local_step, self.settings.sync_every, len(self.fragments)):
+            self._push(p)
+
+    @property
+    def backlog(self) -> int:
+        queued = self._sends.qsize() if self._sends is not None else 0
+        return queued + self.client.backlog
+
+    def _push(self, p: int) -> None:
+        state = self.fragments[p]
+        delta = state.base - self.read(p)
+        item = (p, delta, state.base_version, state.tokens, state.steps, self.local_step)
+        assert self._sends is not None
+        self._loop.call_soon_threadsafe(self._enqueue, item)
+        if state.pending is None:
+            state.apply_at = self.local_step + self.settings.overlap_steps
+            state.pending = asyncio.run_coroutine_threadsafe(
+                self.client.pull(p, state.base_version, self.settings.pull_wait_s), self._loop)
+
+    def _enqueue(self, item: tuple[int, np.ndarray, int, int, int, int]) -> None:
+        assert self._sends is not None
+        while self._sends.qsize() >= self.settings.max_backlog:
+            dropped = self._sends.get_nowait()
+            self._sends.task_done()
+            self.client.events.emit("dropped", learner=self.client.learner_id,
+                                    fragment=dropped[0], reason="backlog_full")
+        self._sends.put_nowait(item)
+
+    def _maybe_apply(self, p: int, state: _FragmentState) -> None:
+        if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
+            return
+        if not state.pending.done():
+            return
+        pending, state.pending, state.apply_at = state.pending, None, None
+        try:
+            pulled = pending.result()
+        except Exception as exc:  # a failed pull is retried next round
+            self.client.events.emit("pull_failed", learner=self.client.learner_id,
+                                    fragment=p, error=str(exc)[:200])
+            return
+        if pulled is None or pulled.version <= state.base_version:
+            return
+        alpha = self.settings.alpha
+        values = pulled.values if alpha == 0 else alpha * self.read(p) + (1 - alpha) * pulled.values
+        self.write(p, values)
+        state.base = pulled.values
+        state.base_version = pulled.version
+        state.tokens = state.steps = 0
+        self.applied_versions[p] = pulled.version
+
+    # -- the background loop ---------------------------------------------------------
+
+    async def _sender(self) -> None:
+        assert self._sends is not None
+        while True:
+            p, delta, base_version, tokens, steps, local_step = await self._sends.get()
+            try:
+                if tokens > 0 and steps > 0:
+                    await self.client.push(p, delta, base_version, tokens, steps, local_step)
+            except Exception as exc:  # reported; training goes on
+                self.client.events.emit("push_failed", learner=self.client.learner_id,
+                                        fragment=p, error=str(exc)[:200])
+            finally:
+                self._sends.task_done()
+
+    async def _heartbeats(self) -> None:
+        while not self._stopping:
+            try:
+                await self.client.heartbeat(self.local_step)
+                await self.client.repush_unacknowledged()
+            except Exception as exc:  # the next beat tries again
+                self.client.events.emit("heartbeat_failed", learner=self.client.learner_id,
+                                        error=str(exc)[:200])
+            await asyncio.sleep(self.client.heartbeat_interval_s)
+
+    def _run(self, coroutine: Coroutine[Any, Any, None], timeout: float) -> None:
+        asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon import Daemon
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start coordinator daemons (stopped at the end); `start_daemon(*args)`."""
+    daemons: list[Daemon] = []
+
+    def start(*args: str, state_dir: Path | None = None, port: int = 0) -> Daemon:
+        daemon = Daemon(state_dir=state_dir or tmp_path / f"state{len(daemons)}",
+                        args=list(args), port=port)
+        daemons.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in daemons:
+        daemon.stop()
+
+
+@pytest.fixture
+def daemon(start_daemon: Callable[..., Daemon]) -> Daemon:
+    return start_daemon()

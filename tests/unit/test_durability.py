@@ -1,0 +1,263 @@
+"""Tests for coordinator.durability: run and fragment records survive a round trip bit for bit,
+overwrites are atomic, manifests accumulate, and any damaged file is refused with StateError.
+
+The daemon resumes from these files after a crash, so a damaged file must never load as a
+plausible record, nor crash the start-up with an unrelated exception.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
+
+MAGIC_LEN = 8
+LEN_FIELD = 8
+
+
+def record(fragment: int = 0, version: int = 1, numel: int = 1000, seed: int = 0,
+           manifest: list[dict[str, object]] | None = None) -> FragmentRecord:
+    rng = np.random.default_rng(seed)
+    params = rng.standard_normal(numel).astype(np.float32)
+    # Random bit patterns exercise every float, NaN payloads and subnormals included.
+    momentum = rng.integers(0, 2**32, numel, dtype=np.uint32).view(np.float32)
+    if numel >= 4:
+        params[:4] = [-0.0, np.inf, -np.inf, np.float32(1e-45)]
+    return FragmentRecord(
+        fragment=fragment, version=version, params=params, momentum=momentum,
+        watermarks={"learner-a": 3, "learner-b": 17},
+        manifest=manifest if manifest is not None else [
+            {"learner": "learner-a", "seq": 3, "weight": 0.5},
+            {"learner": "learner-b", "seq": 17, "weight": 1.5, "staleness": 1},
+        ])
+
+
+def assert_same(loaded: FragmentRecord | None, saved: FragmentRecord) -> None:
+    assert loaded is not None
+    assert loaded.fragment == saved.fragment
+    assert loaded.version == saved.version
+    assert loaded.params.dtype == np.float32 and loaded.momentum.dtype == np.float32
+    np.testing.assert_array_equal(loaded.params.view(np.uint32),
+                                  np.asarray(saved.params, np.float32).view(np.uint32))
+    np.testing.assert_array_equal(loaded.momentum.view(np.uint32),
+                                  np.asarray(saved.momentum, np.float32).view(np.uint32))
+    assert loaded.watermarks == saved.watermarks
+    assert loaded.manifest == saved.manifest
+
+
+def header_span(blob: bytes) -> tuple[int, int]:
+    """Start and end offsets of the JSON header of a fragment file."""
+    start = MAGIC_LEN + LEN_FIELD
+    return start, start + int.from_bytes(blob[MAGIC_LEN:start], "little")
+
+
+@pytest.fixture(params=[True, False], ids=["fsync", "no-fsync"])
+def state(request: pytest.FixtureRequest, tmp_path: Path) -> StateDir:
+    return StateDir(tmp_path / "state", fsync=request.param)
+
+
+# -- run record ------------------------------------------------------------------------------
+
+
+def test_run_record_round_trip(state: StateDir) -> None:
+    assert state.load_run() is None
+    run = RunRecord(run_id="run-42", layout_hash="abc123", numels=(10, 70000, 3))
+    state.save_run(run)
+    assert state.load_run() == run
+    # A second StateDir on the same directory (a restarted daemon) reads the same.
+    assert StateDir(state.root).load_run() == run
+
+
+def test_run_record_overwrite(state: StateDir) -> None:
+    state.save_run(RunRecord("a", "h1", (1,)))
+    state.save_run(RunRecord("b", "h2", (2, 3)))
+    assert state.load_run() == RunRecord("b", "h2", (2, 3))
+    assert not list(state.root.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", '{"run_id": "a"}',
+                                  '{"run_id": "a", "layout_hash": "h", "numels": ["x"]}'])
+def test_invalid_run_record_raises_state_error(state: StateDir, text: str) -> None:
+    (state.root / "run.json").write_text(text)
+    with pytest.raises(StateError, match=r"run\.json"):
+        state.load_run()
+
+
+# -- fragments -------------------------------------------------------------------------------
+
+
+def test_missing_fragment_is_none(state: StateDir) -> None:
+    assert state.load_fragment(0) is None
+    assert state.manifests() == []
+
+
+@pytest.mark.parametrize("numel", [1, 5, 70000])
+def test_fragment_round_trip_is_bit_exact(state: StateDir, numel: int) -> None:
+    saved = record(fragment=3, version=12, numel=numel)
+    written = state.save_fragment(saved)
+    assert written == state.fragment_path(3).stat().st_size
+    loaded = state.load_fragment(3)
+    assert_same(loaded, saved)
+    assert StateDir(state.root).load_fragment(3) is not None
+
+
+def test_loaded_arrays_are_writable_copies(state: StateDir) -> None:
+    # The store updates momentum in place after a resume.
+    state.save_fragment(record())
+    loaded = state.load_fragment(0)
+    assert loaded is not None
+    assert loaded.params.flags.writeable and loaded.momentum.flags.writeable
+    assert loaded.params.flags.c_contiguous and loaded.momentum.flags.c_contiguous
+    assert not np.shares_memory(loaded.params, loaded.momentum)
+
+
+def test_non_native_and_strided_arrays_are_stored_as_little_endian_fp32(state: StateDir) -> None:
+    saved = record(numel=64)
+    strided = np.repeat(saved.params, 2)[::2]
+    big_endian = saved.momentum.astype(">f4")
+    state.save_fragment(FragmentRecord(0, 1, strided, big_endian, {}, []))
+    loaded = state.load_fragment(0)
+    assert loaded is not None
+    np.testing.assert_array_equal(loaded.params.view(np.uint32), saved.params.view(np.uint32))
+    np.testing.assert_array_equal(loaded.momentum.view(np.uint32),
+                                  saved.momentum.view(np.uint32))
+    assert loaded.watermarks == {} and loaded.manifest == []
+
+
+def test_fragments_are_independent(state: StateDir) -> None:
+    first, second = record(fragment=0, seed=1), record(fragment=1, seed=2, numel=7)
+    state.save_fragment(first)
+    state.save_fragment(second)
+    assert_same(state.load_fragment(0), first)
+    assert_same(state.load_fragment(1), second)
+
+
+def test_overwrite_leaves_only_the_new_version(state: StateDir) -> None:
+    old, new = record(fragment=2, version=1, seed=1), record(fragment=2, version=2, seed=2)
+    state.save_fragment(old)
+    state.save_fragment(new)
+    assert_same(state.load_fragment(2), new)
+    assert sorted(p.name for p in (state.root / "fragments").iterdir()) == ["2.bin"]
+    assert not list(state.root.rglob("*.tmp"))
+
+
+def test_manifests_accumulate_one_line_per_save_in_order(state: StateDir) -> None:
+    saves = [record(fragment=f, version=v, numel=4, manifest=[{"learner": f"l{f}", "seq": v}])
+             for v, f in [(1, 0), (1, 1), (2, 0), (3, 0), (2, 1)]]
+    for saved in saves:
+        state.save_fragment(saved)
+    expected = [{"fragment": r.fragment, "version": r.version, "manifest": r.manifest}
+                for r in saves]
+    assert state.manifests() == expected
+    lines = (state.root / "manifests.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == expected
+    # Reopening appends to the log rather than starting it over.
+    reopened = StateDir(state.root, fsync=state.fsync)
+    reopened.save_fragment(record(fragment=0, version=4, numel=4, manifest=[]))
+    assert reopened.manifests() == [*expected, {"fragment": 0, "version": 4, "manifest": []}]
+
+
+# -- damaged files ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> StateDir:
+    """A state directory for the tests that damage files: fsync plays no part in reading."""
+    return StateDir(tmp_path / "state", fsync=False)
+
+
+def saved_blob(state: StateDir, numel: int = 100) -> tuple[Path, bytes]:
+    state.save_fragment(record(numel=numel))
+    path = state.fragment_path(0)
+    return path, path.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_corrupt_payload_byte_fails_the_checksum(plain: StateDir, where: str) -> None:
+    path, blob = saved_blob(plain)
+    _, payload_start = header_span(blob)
+    index = {"first": payload_start, "middle": (payload_start + len(blob)) // 2,
+             "last": len(blob) - 1}[where]
+    damaged = bytearray(blob)
+    damaged[index] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(StateError, match="checksum"):
+        plain.load_fragment(0)
+
+
+def test_truncated_file_raises_state_error(plain: StateDir) -> None:
+    path, blob = saved_blob(plain)
+    header_start, header_end = header_span(blob)
+    cuts = sorted({0, 1, MAGIC_LEN - 1, MAGIC_LEN, MAGIC_LEN + 1, header_start - 1,
+                   header_start, header_start + 1, (header_start + header_end) // 2,
+                   header_end - 1, header_end, header_end + 1, header_end + 4 * 100,
+                   len(blob) - 4, len(blob) - 1})
+    unexpected: list[str] = []
+    for cut in cuts:
+        path.write_bytes(blob[:cut])
+        try:
+            plain.load_fragment(0)
+        except StateError:
+            continue
+        except Exception as exc:
+            unexpected.append(f"cut at {cut}: {type(exc).__name__}: {exc}")
+        else:
+            unexpected.append(f"cut at {cut}: loaded without error")
+    assert not unexpected, "\n".join(unexpected)
+
+
+def test_trailing_bytes_raise_state_error(plain: StateDir) -> None:
+    path, blob = saved_blob(plain)
+    path.write_bytes(blob + b"\0\0\0\0")
+    with pytest.raises(StateError):
+        plain.load_fragment(0)
+
+
+@pytest.mark.parametrize("magic", [b"FTSYNCF2", b"\0" * 8, b"ftsyncf1"])
+def test_bad_magic_raises_state_error(plain: StateDir, magic: bytes) -> None:
+    path, blob = saved_blob(plain)
+    path.write_bytes(magic + blob[MAGIC_LEN:])
+    with pytest.raises(StateError, match="not an ftsync fragment"):
+        plain.load_fragment(0)
+
+
+def test_garbled_header_raises_state_error(plain: StateDir) -> None:
+    path, blob = saved_blob(plain)
+    start, end = header_span(blob)
+    path.write_bytes(blob[:start] + b"\xff" * (end - start) + blob[end:])
+    with pytest.raises(StateError):
+        plain.load_fragment(0)
+
+
+@pytest.mark.parametrize(("old", "new"), [(b'"numel"', b'"numal"'),
+                                          (b'"version"', b'"versiom"')])
+def test_header_with_a_damaged_key_raises_state_error(plain: StateDir, old: bytes,
+                                                      new: bytes) -> None:
+    # One flipped byte in a key name: still valid JSON, but not a header the loader can use.
+    path, blob = saved_blob(plain)
+    start, end = header_span(blob)
+    header = blob[start:end]
+    assert header.count(old) == 1
+    path.write_bytes(blob[:start] + header.replace(old, new) + blob[end:])
+    with pytest.raises(StateError):
+        plain.load_fragment(0)
+
+
+@pytest.mark.parametrize(("old", "new"), [(b'"version": 1,', b'"version": 7,'),
+                                          (b'"learner-b": 17', b'"learner-b": 97')])
+def test_damaged_header_value_raises_state_error(plain: StateDir, old: bytes,
+                                                 new: bytes) -> None:
+    # The module promises a checksummed header: a flipped digit in the version or a watermark
+    # must not load as a plausible record, or a resumed daemon would republish a wrong version
+    # or merge a contribution twice.
+    path, blob = saved_blob(plain)
+    start, end = header_span(blob)
+    header = blob[start:end]
+    assert header.count(old) == 1
+    path.write_bytes(blob[:start] + header.replace(old, new) + blob[end:])
+    with pytest.raises(StateError):
+        plain.load_fragment(0)
