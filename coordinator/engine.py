@@ -30,7 +30,7 @@ from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy
 from coordinator.store import FragmentStore, Published
 from protos import ftsync_pb2 as pb
-from protos.codec import MAX_CHUNK_BYTES, CodecError, codec_for, decode_chunk_into
+from protos.codec import MAX_CHUNK_BYTES, Codec, CodecError, codec_for
 from protos.events import EventLog
 
 # How often the round timer looks at liveness when no deadline is nearer.
@@ -218,15 +218,17 @@ class Engine:
         offer = Offer(ContributionId(header.learner_id, p, header.seq, header.base_version),
                       c_tokens=header.c_tokens, c_steps=header.c_steps,
                       local_step=header.local_step)
+        # Decoding applies the weight the header earns now, so folding is one pass.
+        prescale = 1.0
         if header.init:
             if codec.name != "fp32":
                 raise Rejected(Reason.BAD_ENCODING, "an initial value must be sent as fp32")
             self._check_uninitialized(p)
         else:
-            policy.admit(offer, self.clock())
+            prescale = policy.admit(offer, self.clock()).weight
         async with store.staging.lease(store.numel(p)) as lease:
             assert lease.buffer is not None
-            norm, nbytes = await self._receive(header, codec, chunks, lease.buffer)
+            norm, nbytes = await self._receive(header, codec, chunks, lease.buffer, prescale)
             stats = self.learners.setdefault(header.learner_id, LearnerStats())
             stats.bytes_in += nbytes
             self.bytes_in += nbytes
@@ -244,7 +246,8 @@ class Engine:
                                      seq=header.seq)
                     return PushResult(header.seq, 0, 0.0, 0)
                 admission = policy.admit(offer, self.clock())
-                lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm)
+                lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm,
+                                                prescale)
                 policy.accept(admission, self.clock())
         stats.contributions += 1
         self.metrics.contributions.add(1, {"fragment": str(p)})
@@ -256,10 +259,11 @@ class Engine:
         return PushResult(header.seq, admission.target_version, admission.weight,
                           admission.staleness)
 
-    async def _receive(self, header: pb.PushHeader, codec: Any,
-                       messages: AsyncIterator[pb.PushMessage],
-                       out: np.ndarray) -> tuple[float, int]:
-        """Decode the chunk stream into `out`, checking order, sizes and values."""
+    async def _receive(self, header: pb.PushHeader, codec: Codec,
+                       messages: AsyncIterator[pb.PushMessage], out: np.ndarray,
+                       prescale: float) -> tuple[float, int]:
+        """Decode the chunk stream into `out` as `prescale · values`, checking order,
+        sizes and values; returns (‖values‖, bytes received)."""
         numel = out.size
         received = 0
         total_sq = 0.0
@@ -268,9 +272,10 @@ class Engine:
             if message.WhichOneof("kind") != "chunk":
                 raise Rejected(Reason.MALFORMED, "a push stream carries one header, then chunks")
             chunk = message.chunk
-            if len(chunk.data) > MAX_CHUNK_BYTES:
+            data = chunk.data  # each read of a bytes field copies it: read once
+            if len(data) > MAX_CHUNK_BYTES:
                 raise Rejected(Reason.OVERSIZE,
-                               f"chunk at offset {chunk.offset} carries {len(chunk.data)} bytes; "
+                               f"chunk at offset {chunk.offset} carries {len(data)} bytes; "
                                f"the limit is {MAX_CHUNK_BYTES}")
             if chunk.offset != received:
                 raise Rejected(Reason.MALFORMED,
@@ -280,13 +285,15 @@ class Engine:
                 raise Rejected(Reason.BAD_SHAPE,
                                f"chunk at offset {chunk.offset} with {chunk.count} elements "
                                f"does not fit fragment {header.fragment} of {numel} elements")
+            part = out[chunk.offset:chunk.offset + chunk.count]
             try:
-                decode_chunk_into(chunk, codec, out)
+                codec.decode_into(data, chunk.scale, part, prescale)
             except CodecError as exc:
-                raise Rejected(Reason.BAD_ENCODING, str(exc)) from exc
-            total_sq += norm_sq(out[chunk.offset:chunk.offset + chunk.count])
+                raise Rejected(Reason.BAD_ENCODING,
+                               f"chunk at offset {chunk.offset}: {exc}") from exc
+            total_sq += norm_sq(part)
             received += chunk.count
-            nbytes += len(chunk.data)
+            nbytes += len(data)
         if received != numel:
             raise Rejected(Reason.BAD_SHAPE,
                            f"stream ended after {received} of {numel} elements of fragment "
@@ -296,9 +303,9 @@ class Engine:
             if index is not None:
                 raise Rejected(Reason.NOT_FINITE,
                                f"element {index} of fragment {header.fragment} is "
-                               f"{float(out[index])}; contributions must be finite")
+                               f"{float(out[index]) / prescale}; contributions must be finite")
             raise Rejected(Reason.NORM_BOUND, "the contribution's norm overflows fp32")
-        norm = math.sqrt(total_sq)
+        norm = math.sqrt(total_sq) / prescale
         bound = self.config.limits.norm_bound
         if not header.init and bound and norm > bound:
             raise Rejected(Reason.NORM_BOUND,
@@ -346,8 +353,8 @@ class Engine:
         while True:
             policy = self.policy
             if policy is not None:
-                for p in policy.due(self.clock()):
-                    await self._close(p)
+                # Fragments commit in parallel: their locks, buffers and files are separate.
+                await asyncio.gather(*(self._close(p) for p in policy.due(self.clock())))
                 deadline = policy.next_deadline()
             else:
                 deadline = None

@@ -31,18 +31,23 @@ class Accumulator:
         self.radial = 0.0
         self.count = 0
 
-    def fold(self, values: np.ndarray, weight: float, norm: float) -> np.ndarray | None:
-        """Add `weight · values` (RDA: `weight · values/‖values‖`).
+    def fold(self, values: np.ndarray, weight: float, norm: float,
+             prescaled: float = 1.0) -> np.ndarray | None:
+        """Add `weight · v` (RDA: `weight · v/‖v‖`) where `values = prescaled · v`.
 
-        `values` is a staging buffer the caller gives up: it is scaled in
-        place and, for the first contribution, becomes the accumulator itself
-        (no zero-fill, no extra pass). Returns the buffer when the caller may
-        reuse it, None when the accumulator kept it."""
-        scale = weight
+        The receiver decodes straight into `prescaled · v` with the weight it
+        expects, so the usual fold is one pass. `values` is a staging buffer
+        the caller gives up: it is rescaled in place only if needed and, for
+        the first contribution, becomes the accumulator itself (no zero-fill,
+        no extra pass). Returns the buffer when the caller may reuse it, None
+        when the accumulator kept it."""
+        target = weight
         if self.rule == "rda":
             self.radial += weight * norm
-            scale = weight / norm if norm > 0 else 0.0
-        np.multiply(values, np.float32(scale), out=values)
+            target = weight / norm if norm > 0 else 0.0
+        scale = target / prescaled
+        if scale != 1.0:
+            np.multiply(values, np.float32(scale), out=values)
         self.count += 1
         if self.sum is None:
             self.sum = values

@@ -17,7 +17,7 @@ from coordinator.errors import Reason, Rejected
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.codec import codec_named, iter_chunks
+from protos.codec import codec_named, iter_chunk_messages
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -140,9 +140,11 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         yield pb.PullMessage(header=pb.PullHeader(
             fragment=fragment, version=published.version, numel=published.params.size,
             merged_seq=published.watermarks.get(learner_id, 0)))
-        for chunk in iter_chunks(published.params, _FP32, self.engine.config.limits.chunk_bytes):
-            self.engine.count_sent(len(chunk.data))
-            yield pb.PullMessage(chunk=chunk)
+        for message in iter_chunk_messages(published.params, _FP32, pb.PullMessage,
+                                           self.engine.config.limits.chunk_bytes):
+            # 4 bytes per fp32 element: reading len(chunk.data) would copy the chunk.
+            self.engine.count_sent(4 * message.chunk.count)
+            yield message
 
     async def _call(self, rpc: str, learner_id: str, context: Context,
                     handler: Callable[[], T]) -> T:

@@ -150,13 +150,12 @@ class FragmentStore:
         slot.momentum = momentum
         return await self._publish(slot, Published(0, values, watermarks, time.monotonic()))
 
-    async def fold(self, fragment: int, values: np.ndarray, weight: float,
-                   norm: float) -> np.ndarray | None:
-        """Fold a complete, validated contribution into the open round. Hold the lock.
-
-        Returns the staging buffer if it can go back to the pool."""
+    async def fold(self, fragment: int, values: np.ndarray, weight: float, norm: float,
+                   prescaled: float) -> np.ndarray | None:
+        """Fold a complete, validated contribution (`prescaled · v`) into the open
+        round. Hold the lock. Returns the staging buffer if it can go back to the pool."""
         slot = self.slots[fragment]
-        spare = await asyncio.to_thread(slot.accumulator.fold, values, weight, norm)
+        spare = await asyncio.to_thread(slot.accumulator.fold, values, weight, norm, prescaled)
         slot.merged += 1
         return spare
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.codec import Codec, codec_named, iter_chunks
+from protos.codec import Codec, codec_named, iter_chunk_messages
 from protos.events import EventLog
 
 T = TypeVar("T")
@@ -249,8 +249,8 @@ class SynchronizerClient:
 
         async def messages() -> AsyncIterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
-            for chunk in iter_chunks(values, codec, chunk_bytes):
-                yield pb.PushMessage(chunk=chunk)
+            for message in iter_chunk_messages(values, codec, pb.PushMessage, chunk_bytes):
+                yield message
 
         response: pb.PushResponse = await self._stub.PushFragment(
             messages(), metadata=self._metadata, timeout=300)

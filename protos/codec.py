@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -289,10 +289,44 @@ def iter_chunks(
 
 
 def _chunks(values: Floats, codec: Codec, step: int) -> Iterator[ftsync_pb2.Chunk]:
+    for offset, count, scale, data in _encoded(values, codec, step):
+        yield ftsync_pb2.Chunk(offset=offset, count=count, scale=scale, data=data)
+
+
+StreamMessage = TypeVar("StreamMessage", ftsync_pb2.PushMessage, ftsync_pb2.PullMessage)
+
+
+def iter_chunk_messages(
+    values: Floats,
+    codec: Codec,
+    message_type: type[StreamMessage],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[StreamMessage]:
+    """Chunks already inside push or pull stream messages, filled in place.
+
+    Wrapping a built `Chunk` (`PushMessage(chunk=c)`) costs upb a serialise and a parse
+    of the whole chunk; filling the fields of the message's own chunk costs one copy."""
+    step = chunk_elements(codec, chunk_bytes)
+    vector = _as_vector(values)
+
+    def messages() -> Iterator[StreamMessage]:
+        for offset, count, scale, data in _encoded(vector, codec, step):
+            message = message_type()
+            chunk = message.chunk
+            chunk.offset = offset
+            chunk.count = count
+            chunk.scale = scale
+            chunk.data = data
+            yield message
+
+    return messages()
+
+
+def _encoded(values: Floats, codec: Codec, step: int) -> Iterator[tuple[int, int, float, bytes]]:
     for offset in range(0, values.shape[0], step):
         part = values[offset : offset + step]
         data, scale = codec.encode(part)
-        yield ftsync_pb2.Chunk(offset=offset, count=part.shape[0], scale=scale, data=data)
+        yield offset, part.shape[0], scale, data
 
 
 def decode_chunk_into(
