@@ -132,16 +132,17 @@ class FragmentSync:
 
     # -- the training loop's side --------------------------------------------------
 
-    def step(self, tokens: int) -> None:
-        """Call after every inner step; never blocks on the network."""
+    def step(self, tokens: int) -> list[int]:
+        """Call after every inner step; never blocks on the network. Returns the
+        fragments whose merged values were written into the model this step."""
         self.local_step += 1
         for state in self.fragments:
             state.tokens += tokens
             state.steps += 1
-        for p, state in enumerate(self.fragments):
-            self._maybe_apply(p, state)
+        applied = [p for p, state in enumerate(self.fragments) if self._maybe_apply(p, state)]
         for p in due_fragments(self.local_step, self.settings.sync_every, len(self.fragments)):
             self._push(p)
+        return applied
 
     @property
     def backlog(self) -> int:
@@ -168,20 +169,20 @@ class FragmentSync:
                                     fragment=dropped[0], reason="backlog_full")
         self._sends.put_nowait(item)
 
-    def _maybe_apply(self, p: int, state: _FragmentState) -> None:
+    def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
         if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
-            return
+            return False
         if not state.pending.done():
-            return
+            return False
         pending, state.pending, state.apply_at = state.pending, None, None
         try:
             pulled = pending.result()
         except Exception as exc:  # a failed pull is retried next round
             self.client.events.emit("pull_failed", learner=self.client.learner_id,
                                     fragment=p, error=str(exc)[:200])
-            return
+            return False
         if pulled is None or pulled.version <= state.base_version:
-            return
+            return False
         alpha = self.settings.alpha
         values = pulled.values if alpha == 0 else alpha * self.read(p) + (1 - alpha) * pulled.values
         self.write(p, values)
@@ -189,6 +190,7 @@ class FragmentSync:
         state.base_version = pulled.version
         state.tokens = state.steps = 0
         self.applied_versions[p] = pulled.version
+        return True
 
     # -- the background loop ---------------------------------------------------------
 

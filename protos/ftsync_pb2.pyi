@@ -118,7 +118,7 @@ class PushHeader(_message.Message):
     codec: Codec
     numel: int
     init: bool
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., layout_hash: _Optional[str] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., c_tokens: _Optional[int] = ..., c_steps: _Optional[int] = ..., local_step: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., numel: _Optional[int] = ..., init: _Optional[bool] = ...) -> None: ...
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., layout_hash: _Optional[str] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., c_tokens: _Optional[int] = ..., c_steps: _Optional[int] = ..., local_step: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., numel: _Optional[int] = ..., init: bool = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "count", "scale", "data")
@@ -176,7 +176,7 @@ class PullHeader(_message.Message):
     numel: int
     not_modified: bool
     merged_seq: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: _Optional[bool] = ..., merged_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -230,7 +230,7 @@ class LearnerStatus(_message.Message):
     bytes_in: int
     backlog: int
     host: str
-    def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., heartbeat_age_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., local_step: _Optional[int] = ..., contributions: _Optional[int] = ..., rejections: _Optional[int] = ..., bytes_in: _Optional[int] = ..., backlog: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    def __init__(self, learner_id: _Optional[str] = ..., live: bool = ..., heartbeat_age_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., local_step: _Optional[int] = ..., contributions: _Optional[int] = ..., rejections: _Optional[int] = ..., bytes_in: _Optional[int] = ..., backlog: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
 
 class FragmentInfo(_message.Message):
     __slots__ = ("fragment", "version", "numel", "round_learners", "round_age_s", "grace_left_s", "commits", "merged_contributions", "last_commit_age_s")

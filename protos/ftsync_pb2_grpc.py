@@ -5,7 +5,7 @@ import warnings
 
 from protos import ftsync_pb2 as protos_dot_ftsync__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SynchronizerStub:
+class SynchronizerStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class SynchronizerStub:
                 _registered_method=True)
 
 
-class SynchronizerServicer:
+class SynchronizerServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
@@ -148,7 +148,7 @@ def add_SynchronizerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Synchronizer:
+class Synchronizer(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -314,7 +314,7 @@ class Synchronizer:
             _registered_method=True)
 
 
-class AdminStub:
+class AdminStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -330,7 +330,7 @@ class AdminStub:
                 _registered_method=True)
 
 
-class AdminServicer:
+class AdminServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Status(self, request, context):
@@ -355,7 +355,7 @@ def add_AdminServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Admin:
+class Admin(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

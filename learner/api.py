@@ -1,0 +1,117 @@
+"""`Learner`: wrap a torch model so its fragments stream to a synchronizer.
+
+    with Learner("coordinator:50051", model, sync_every=50, fragments=4) as learner:
+        for batch in data:
+            loss = model(batch).mean(); loss.backward(); opt.step(); opt.zero_grad()
+            learner.step(tokens=batch.numel())
+
+Training never waits on the network: pushes and pulls run on a background
+thread, and a slow or absent coordinator only grows the backlog (reported by
+`backlog` and in the event log). Pass `inner_optimizer` and
+`tokens_per_step` to have `step` called after every optimizer step instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from learner.client import Retry, SynchronizerClient
+from learner.fragments import FragmentPlan, FragmentView, plan_fragments
+from learner.streaming import FragmentSync, SyncSettings
+from protos.events import EventLog
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`auto`: the GPU when there is one, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Learner:
+    """One learner of a run: a model, its fragment plan and a synchronizer link."""
+
+    def __init__(self, coordinator: str, model: torch.nn.Module,
+                 inner_optimizer: torch.optim.Optimizer | None = None, *,
+                 sync_every: int = 50, fragments: int = 4, overlap: int = 1,
+                 alpha: float = 0.0, compression: str = "fp32", token: str | None = None,
+                 learner_id: str | None = None, device: str | torch.device = "auto",
+                 tokens_per_step: int | None = None, event_log: str = "",
+                 connect_timeout_s: float = 60.0, max_backlog: int = 8) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.plan: FragmentPlan = plan_fragments(self.model, fragments)
+        self.learner_id = learner_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.events = EventLog(event_log, source=self.learner_id)
+        self.client = SynchronizerClient(
+            coordinator, self.learner_id, self.plan.hash, self.plan.numels, token=token,
+            overlap_steps=overlap, codec=compression,
+            retry=Retry(give_up_after_s=connect_timeout_s), events=self.events,
+            device=str(self.device))
+        view = FragmentView(self.model, self.plan)
+        self._sync = FragmentSync(
+            self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,
+                                      alpha=alpha, max_backlog=max_backlog),
+            view.read, view.write)
+        self._connect_timeout_s = connect_timeout_s
+        self._hook: Any = None
+        if inner_optimizer is not None:
+            if tokens_per_step is None:
+                raise ValueError("with inner_optimizer, give tokens_per_step so each "
+                                 "optimizer step can be counted")
+            counted = tokens_per_step
+
+            def after_optimizer_step(*_: object) -> None:
+                self.step(counted)
+
+            self._hook = inner_optimizer.register_step_post_hook(after_optimizer_step)
+
+    def start(self) -> Learner:
+        """Join and load the run's current global fragments into the model."""
+        self._sync.start(timeout=self._connect_timeout_s + 30)
+        return self
+
+    def step(self, tokens: int) -> list[int]:
+        """Call after each inner step; returns the fragments updated from the
+        synchronizer in this step. Never blocks on the network."""
+        return self._sync.step(tokens)
+
+    def close(self, reason: str = "done") -> None:
+        """Flush queued pushes (bounded), leave the run and stop the background loop."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._sync.close(reason)
+        self.events.close()
+
+    def __enter__(self) -> Learner:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close("done" if exc_type is None else f"error: {exc_type.__name__}")
+
+    @property
+    def local_step(self) -> int:
+        return self._sync.local_step
+
+    @property
+    def backlog(self) -> int:
+        """Contributions not yet named by a committed manifest (queued or in flight)."""
+        return self._sync.backlog
+
+    @property
+    def applied_versions(self) -> dict[int, int]:
+        return dict(self._sync.applied_versions)
+
+    def progress(self) -> dict[str, Any]:
+        """What a progress line shows: step, versions, backlog, outbox outcomes."""
+        stats = self.client.stats
+        return {"step": self.local_step, "versions": self.applied_versions,
+                "backlog": self.backlog, "merged": stats.merged,
+                "dropped": dict(stats.dropped), "repushed": stats.repushed}
