@@ -16,12 +16,15 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="coordinator + synthetic learners through a "
                                        "coordinator crash and restart")
     demo.add_argument("--learners", type=int, default=4)
+    demo.add_argument("--task", default="lm-stdlib", choices=["lm-stdlib", "digits", "synthetic"])
+    demo.add_argument("--size", default="small", choices=["tiny", "small", "base"])
     demo.add_argument("--steps", type=int, default=600)
-    demo.add_argument("--kill-after", type=float, default=4.0,
+    demo.add_argument("--kill-after", type=float, default=15.0,
                       help="seconds before the coordinator is SIGKILLed")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     args = parser.parse_args(argv)
     if args.learners < 1 or args.steps < 1 or args.kill_after <= 0:
         parser.error("--learners, --steps and --kill-after must be positive")
-    sys.exit(run_demo(DemoSettings(learners=args.learners, steps=args.steps,
-                                   kill_after_s=args.kill_after, out=args.out)))
+    sys.exit(run_demo(DemoSettings(learners=args.learners, task=args.task, size=args.size,
+                                   steps=args.steps, kill_after_s=args.kill_after,
+                                   out=args.out)))

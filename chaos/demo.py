@@ -23,9 +23,10 @@ from chaos.local import CoordinatorProcess
 @dataclass(frozen=True)
 class DemoSettings:
     learners: int = 4
+    task: str = "lm-stdlib"
+    size: str = "small"
     steps: int = 600
-    step_ms: float = 10.0
-    kill_after_s: float = 4.0
+    kill_after_s: float = 15.0
     down_s: float = 1.5
     out: Path = Path("runs/demo")
     coordinator_args: tuple[str, ...] = (
@@ -48,8 +49,9 @@ def run_demo(settings: DemoSettings) -> int:
     learners = [
         subprocess.Popen(
             [sys.executable, "-m", "learner", "--coordinator", coordinator.address,
-             "--learner-id", f"learner-{i}", "--shard", str(i), "--steps", str(settings.steps),
-             "--step-ms", str(settings.step_ms), "--progress-every", "200",
+             "--learner-id", f"learner-{i}", "--task", settings.task, "--size", settings.size,
+             "--shard", str(i), "--num-shards", str(settings.learners),
+             "--steps", str(settings.steps), "--progress-every", "100",
              "--event-log", str(out / f"learner-{i}.events.jsonl")],
             stdout=subprocess.PIPE, text=True)
         for i in range(settings.learners)]
@@ -107,11 +109,11 @@ def exactly_once(out: Path) -> tuple[int, list[str], list[str]]:
 
 def _report(summaries: list[dict[str, Any]], before: dict[int, int], after: dict[int, int],
             final: Any, out: Path) -> int:
-    print("\nlearner      eval loss start -> end   merged  dropped  re-pushed  unsettled")
+    print("\nlearner      eval loss start -> end   merged  dropped  re-pushed    backlog")
     for s in summaries:
         print(f"{s['learner']:<12} {s['eval_loss_start']:>9.4f} -> {s['eval_loss_end']:<9.4f} "
               f"{s['merged']:>7} {sum(s['dropped'].values()):>8} {s['repushed']:>10} "
-              f"{s['unsettled']:>10}")
+              f"{s['backlog']:>10}")
     merged, twice, lost = exactly_once(out)
     print(f"\n{merged} contributions merged; merged twice: {twice or 'none'}; "
           f"acknowledged but lost: {lost or 'none'}")

@@ -1,4 +1,10 @@
-"""`ftsync-learner`: run a built-in task as a learner of a coordinator."""
+"""`ftsync-learner`: run a built-in task as a learner of a coordinator.
+
+Prints a progress line every few steps (step, loss, tokens/s, the fragment
+versions applied, the backlog of contributions not yet merged) and, last,
+one JSON summary line. Exit codes: 0 done, 2 refused by the coordinator,
+3 coordinator unreachable.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -18,52 +27,179 @@ from learner.synthetic import RegressionTask, layout_hash
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
 
+TASK_CHOICES = ("lm-stdlib", "digits", "synthetic")
+
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         codec_named(args.compression)
-        settings = SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap,
-                                alpha=args.alpha)
+        SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
     except (CodecError, ValueError) as exc:
-        sys.exit(f"ftsync-learner: {exc}")
-    sys.exit(run_synthetic(args, settings))
+        parser.error(str(exc))
+    if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
+        parser.error("--steps and --fragments must be positive and 0 <= --shard < --num-shards")
+    run = run_synthetic if args.task == "synthetic" else run_task
+    sys.exit(run(args))
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftsync-learner",
                                      description="Run an ftsync learner on a built-in task.")
     parser.add_argument("--coordinator", default="127.0.0.1:50051", help="HOST:PORT")
-    parser.add_argument("--task", default="synthetic", choices=["synthetic"])
+    parser.add_argument("--task", default="lm-stdlib", choices=TASK_CHOICES)
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "base"],
+                        help="model size of lm-stdlib and digits")
     parser.add_argument("--learner-id", default=f"learner-{os.getpid()}")
     parser.add_argument("--token", default=os.environ.get("FTSYNC_TOKEN"),
                         help="bearer token (or FTSYNC_TOKEN)")
-    parser.add_argument("--steps", type=int, default=500, help="inner steps to run")
+    parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda:N")
+    parser.add_argument("--steps", type=int, default=500, help="inner steps to run at most")
+    parser.add_argument("--tokens", type=int, default=0, help="stop after this many tokens")
     parser.add_argument("--sync-every", type=int, default=20, help="H: steps per fragment sync")
     parser.add_argument("--fragments", type=int, default=4, help="P: fragments of the model")
     parser.add_argument("--overlap", type=int, default=2, help="τ: steps before applying")
     parser.add_argument("--alpha", type=float, default=0.0, help="blend of local values kept")
     parser.add_argument("--compression", default="fp32", help="fp32, bf16, int8 or e3m0")
+    parser.add_argument("--shard", type=int, default=0, help="this learner's data shard")
+    parser.add_argument("--num-shards", type=int, default=1, help="learners sharing the data")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="extra time per step, to stand in for heavier compute")
     parser.add_argument("--dim", type=int, default=1024, help="synthetic: model size")
-    parser.add_argument("--shard", type=int, default=0, help="synthetic: data shard")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--event-log", default="", help="append JSONL events here")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to keep retrying an unreachable coordinator")
     parser.add_argument("--progress-every", type=int, default=50, help="steps between lines")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="held-out evaluation every N steps (0: start and end only)")
     return parser
 
 
-def run_synthetic(args: argparse.Namespace, settings: SyncSettings) -> int:
+@dataclass
+class _Run:
+    """What a training loop reports, whichever task it runs."""
+
+    learner_id: str
+    started: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+    steps: int = 0
+    loss: float = float("nan")
+    eval_start: float = float("nan")
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    stop_signal: str = ""
+
+    def line(self, versions: dict[int, int], backlog: int, eval_loss: float | None) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        held_out = f" eval {eval_loss:.4f}" if eval_loss is not None else ""
+        return (f"{self.learner_id} step {self.steps} loss {self.loss:.4f}{held_out} "
+                f"tokens/s {self.tokens / elapsed:.0f} versions {versions} backlog {backlog}")
+
+
+def _on_signals(run: _Run) -> None:
+    def stop(signum: int, _frame: object) -> None:
+        run.stop_signal = signal.Signals(signum).name
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
+    """Join; 0 on success, else the exit code after saying what to do."""
+    try:
+        start()
+    except Refused as refused:
+        hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id",
+                "layout_mismatch": "every learner of a run must use the same task, size "
+                                   "and --fragments"}.get(refused.reason, "")
+        print(f"ftsync-learner: the coordinator at {args.coordinator} refused "
+              f"{args.learner_id}: {refused.details}" + (f"\n  {hint}" if hint else ""),
+              file=sys.stderr)
+        return 2
+    except (grpc.RpcError, TimeoutError) as exc:
+        print(f"ftsync-learner: cannot reach a coordinator at {args.coordinator} after "
+              f"{args.connect_timeout:.0f}s ({type(exc).__name__}); is ftsync-coordinator "
+              f"running there, and is the address right?", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _finish(run: _Run, args: argparse.Namespace, eval_end: float,
+            progress: dict[str, Any]) -> int:
+    summary = {"learner": args.learner_id, "task": args.task, "steps": run.steps,
+               "tokens": run.tokens, "train_loss": run.loss,
+               "eval_loss_start": run.eval_start, "eval_loss_end": eval_end,
+               "evals": run.evals, "seconds": round(time.monotonic() - run.started, 2),
+               "stopped_by": run.stop_signal or None, **progress}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def run_task(args: argparse.Namespace) -> int:
+    import torch
+
+    from learner.api import Learner, resolve_device
+    from learner.tasks import task_named
+
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    task = task_named(args.task, seed=args.seed, device=device, size=args.size)
+    model = task.build_model()
+    optimizer = task.make_optimizer(model)
+    learner = Learner(args.coordinator, model, sync_every=args.sync_every,
+                      fragments=args.fragments, overlap=args.overlap, alpha=args.alpha,
+                      compression=args.compression, token=args.token,
+                      learner_id=args.learner_id, device=device, event_log=args.event_log,
+                      connect_timeout_s=args.connect_timeout)
+    run = _Run(args.learner_id)
+    _on_signals(run)
+    code = _start(learner.start, args)
+    if code:
+        return code
+    run.eval_start = task.eval_loss(model)
+    run.evals.append((0, run.eval_start))
+    learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
+    print(f"{args.learner_id}: {args.task}/{args.size} on {device}, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters in "
+          f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
+    batches = task.train_batches(args.shard, args.num_shards)
+    while run.steps < args.steps and not run.stop_signal and (
+            not args.tokens or run.tokens < args.tokens):
+        loss, tokens = task.loss(model, next(batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        if args.step_ms:
+            time.sleep(args.step_ms / 1000.0)
+        learner.step(tokens)
+        run.steps += 1
+        run.tokens += tokens
+        run.loss = float(loss.detach())
+        eval_loss = None
+        if args.eval_every and run.steps % args.eval_every == 0:
+            eval_loss = task.eval_loss(model)
+            run.evals.append((run.steps, eval_loss))
+            learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
+        if run.steps % args.progress_every == 0:
+            print(run.line(learner.applied_versions, learner.backlog, eval_loss), flush=True)
+    eval_end = task.eval_loss(model)
+    run.evals.append((run.steps, eval_end))
+    learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
+    learner.close(reason=run.stop_signal or "done")
+    return _finish(run, args, eval_end, learner.progress())
+
+
+def run_synthetic(args: argparse.Namespace) -> int:
+    """The numpy regression task: no torch, for many small learners."""
     task = RegressionTask(dim=args.dim, shard=args.shard, seed=args.seed)
     bounds = task.fragment_bounds(args.fragments)
     numels = [b - a for a, b in bounds]
     events = EventLog(args.event_log, source=args.learner_id)
     client = SynchronizerClient(
         args.coordinator, args.learner_id, layout_hash(numels, f"synthetic-{args.dim}"), numels,
-        token=args.token, overlap_steps=settings.overlap_steps, codec=args.compression,
+        token=args.token, overlap_steps=args.overlap, codec=args.compression,
         retry=Retry(give_up_after_s=args.connect_timeout), events=events)
 
     def read(p: int) -> np.ndarray:
@@ -74,53 +210,32 @@ def run_synthetic(args: argparse.Namespace, settings: SyncSettings) -> int:
         a, b = bounds[p]
         task.params[a:b] = values
 
-    sync = FragmentSync(client, settings, read, write)
-    stop = {"signal": ""}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["signal"] = signal.Signals(signum).name
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        sync.start(timeout=args.connect_timeout + 30)
-    except Refused as refused:
-        print(f"ftsync-learner: the coordinator at {args.coordinator} refused "
-              f"{args.learner_id}: {refused.details}", file=sys.stderr)
-        return 2
-    except (grpc.RpcError, TimeoutError) as exc:
-        print(f"ftsync-learner: cannot reach a coordinator at {args.coordinator} "
-              f"({type(exc).__name__}); is ftsync-coordinator running there?", file=sys.stderr)
-        return 3
-    start_loss = task.eval_loss()
-    started = time.monotonic()
-    events.emit("eval", learner=args.learner_id, step=0, loss=start_loss)
-    loss = 0.0
-    tokens = 0
-    for step in range(1, args.steps + 1):
-        if stop["signal"]:
-            break
-        loss, n = task.train_step()
-        tokens += n
+    sync = FragmentSync(client, SyncSettings(sync_every=args.sync_every,
+                                             overlap_steps=args.overlap, alpha=args.alpha),
+                        read, write)
+    run = _Run(args.learner_id)
+    _on_signals(run)
+    code = _start(lambda: sync.start(timeout=args.connect_timeout + 30), args)
+    if code:
+        return code
+    run.eval_start = task.eval_loss()
+    events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
+    while run.steps < args.steps and not run.stop_signal and (
+            not args.tokens or run.tokens < args.tokens):
+        run.loss, tokens = task.train_step()
         if args.step_ms:
             time.sleep(args.step_ms / 1000.0)
-        sync.step(n)
-        if step % args.progress_every == 0:
-            elapsed = time.monotonic() - started
-            print(f"{args.learner_id} step {step} loss {loss:.4f} eval {task.eval_loss():.4f} "
-                  f"tokens/s {tokens / elapsed:.0f} versions {dict(sync.applied_versions)} "
-                  f"backlog {sync.backlog}", flush=True)
-    sync.close(reason=stop["signal"] or "done")
-    end_loss = task.eval_loss()
-    events.emit("eval", learner=args.learner_id, step=sync.local_step, loss=end_loss)
-    summary = {
-        "learner": args.learner_id, "steps": sync.local_step, "tokens": tokens,
-        "eval_loss_start": start_loss, "eval_loss_end": end_loss, "train_loss": loss,
-        "merged": client.stats.merged, "dropped": client.stats.dropped,
-        "repushed": client.stats.repushed, "unsettled": client.backlog,
-        "applied_versions": sync.applied_versions,
-        "seconds": round(time.monotonic() - started, 2),
-    }
-    print(json.dumps(summary), flush=True)
+        sync.step(tokens)
+        run.steps += 1
+        run.tokens += tokens
+        if run.steps % args.progress_every == 0:
+            print(run.line(dict(sync.applied_versions), sync.backlog, task.eval_loss()),
+                  flush=True)
+    sync.close(reason=run.stop_signal or "done")
+    eval_end = task.eval_loss()
+    events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
     events.close()
-    return 0
+    progress = {"versions": dict(sync.applied_versions), "backlog": client.backlog,
+                "merged": client.stats.merged, "dropped": dict(client.stats.dropped),
+                "repushed": client.stats.repushed}
+    return _finish(run, args, eval_end, progress)

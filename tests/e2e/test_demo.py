@@ -11,8 +11,8 @@ from pathlib import Path
 def test_demo_trains_through_a_coordinator_crash(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "chaos", "demo", "--learners", "3", "--steps", "400",
-         "--kill-after", "2.5", "--out", str(out)],
+        [sys.executable, "-m", "chaos", "demo", "--learners", "3", "--size", "tiny",
+         "--steps", "800", "--kill-after", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SIGKILLed the coordinator" in result.stdout

@@ -228,7 +228,8 @@ def test_three_synthetic_learner_processes_lower_the_held_out_loss(
                           "--set", "outer.momentum=0.0", "--set", f"policy.merge={merge!r}")
     processes = [subprocess.Popen(
         [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--learner-id",
-         f"l{i}", "--shard", str(i), "--steps", "200", "--step-ms", "5", "--dim", "512"],
+         f"l{i}", "--task", "synthetic", "--shard", str(i), "--num-shards", "3", "--steps", "200",
+         "--step-ms", "5", "--dim", "512"],
         stdout=subprocess.PIPE, text=True) for i in range(3)]
     summaries = []
     for process in processes:
