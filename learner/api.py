@@ -39,7 +39,8 @@ class Learner:
     def __init__(self, coordinator: str, model: torch.nn.Module,
                  inner_optimizer: torch.optim.Optimizer | None = None, *,
                  sync_every: int = 50, fragments: int = 4, overlap: int = 1,
-                 alpha: float = 0.0, compression: str = "fp32", token: str | None = None,
+                 alpha: float = 0.0, lockstep: bool = False, compression: str = "fp32",
+                 token: str | None = None,
                  learner_id: str | None = None, device: str | torch.device = "auto",
                  tokens_per_step: int | None = None, event_log: str = "",
                  connect_timeout_s: float = 60.0, max_backlog: int = 8) -> None:
@@ -56,7 +57,7 @@ class Learner:
         view = FragmentView(self.model, self.plan)
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,
-                                      alpha=alpha, max_backlog=max_backlog),
+                                      alpha=alpha, max_backlog=max_backlog, lockstep=lockstep),
             view.read, view.write)
         self._connect_timeout_s = connect_timeout_s
         self._hook: Any = None

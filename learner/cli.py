@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fragments", type=int, default=4, help="P: fragments of the model")
     parser.add_argument("--overlap", type=int, default=2, help="τ: steps before applying")
     parser.add_argument("--alpha", type=float, default=0.0, help="blend of local values kept")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="wait for each merged fragment when due (synchronous baseline)")
     parser.add_argument("--compression", default="fp32", help="fp32, bf16, int8 or e3m0")
     parser.add_argument("--shard", type=int, default=0, help="this learner's data shard")
     parser.add_argument("--num-shards", type=int, default=1, help="learners sharing the data")
@@ -150,6 +152,7 @@ def run_task(args: argparse.Namespace) -> int:
     optimizer = task.make_optimizer(model)
     learner = Learner(args.coordinator, model, sync_every=args.sync_every,
                       fragments=args.fragments, overlap=args.overlap, alpha=args.alpha,
+                      lockstep=args.lockstep,
                       compression=args.compression, token=args.token,
                       learner_id=args.learner_id, device=device, event_log=args.event_log,
                       connect_timeout_s=args.connect_timeout)
@@ -211,7 +214,8 @@ def run_synthetic(args: argparse.Namespace) -> int:
         task.params[a:b] = values
 
     sync = FragmentSync(client, SyncSettings(sync_every=args.sync_every,
-                                             overlap_steps=args.overlap, alpha=args.alpha),
+                                             overlap_steps=args.overlap, alpha=args.alpha,
+                                             lockstep=args.lockstep),
                         read, write)
     run = _Run(args.learner_id)
     _on_signals(run)

@@ -13,6 +13,7 @@ through `read`/`write` callbacks, so numpy and torch models share this.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Coroutine
@@ -57,6 +58,9 @@ class SyncSettings:
     # Outer gradients waiting to be sent, beyond which the oldest is dropped.
     max_backlog: int = 8
     pull_wait_s: float = 30.0
+    # Lock-step baseline: wait for the merged fragment when it is due instead of
+    # training on (with a sync-mode coordinator this is synchronous DiLoCo).
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -173,7 +177,9 @@ class FragmentSync:
         if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
             return False
         if not state.pending.done():
-            return False
+            if not self.settings.lockstep:
+                return False
+            concurrent.futures.wait([state.pending])
         pending, state.pending, state.apply_at = state.pending, None, None
         try:
             pulled = pending.result()
