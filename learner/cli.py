@@ -187,6 +187,8 @@ def run_task(args: argparse.Namespace) -> int:
             learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
         if run.steps % args.progress_every == 0:
             print(run.line(learner.applied_versions, learner.backlog, eval_loss), flush=True)
+            learner.events.emit("train", learner=args.learner_id, step=run.steps,
+                                loss=run.loss, tokens=run.tokens)
     eval_end = task.eval_loss(model)
     run.evals.append((run.steps, eval_end))
     learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
@@ -235,6 +237,8 @@ def run_synthetic(args: argparse.Namespace) -> int:
         if run.steps % args.progress_every == 0:
             print(run.line(dict(sync.applied_versions), sync.backlog, task.eval_loss()),
                   flush=True)
+            events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
+                        tokens=run.tokens)
     sync.close(reason=run.stop_signal or "done")
     eval_end = task.eval_loss()
     events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)

@@ -81,6 +81,8 @@ class Contribution:
     c_steps: int
     local_step: int
     delta: np.ndarray
+    # Learner time the contribution's steps took (for goodput accounting).
+    work_s: float = 0.0
     acknowledged: bool = False
     in_flight: bool = False
 
@@ -194,10 +196,10 @@ class SynchronizerClient:
         return True
 
     async def push(self, fragment: int, delta: np.ndarray, base_version: int, c_tokens: int,
-                   c_steps: int, local_step: int) -> None:
+                   c_steps: int, local_step: int, work_s: float = 0.0) -> None:
         """Push an outer gradient; it stays in the outbox until merged or dropped."""
         contribution = Contribution(fragment, self._take_seq(), base_version, c_tokens,
-                                    c_steps, local_step, delta)
+                                    c_steps, local_step, delta, work_s)
         self.outbox[(fragment, contribution.seq)] = contribution
         await self._send(contribution)
 
@@ -219,7 +221,8 @@ class SynchronizerClient:
             seq=c.seq, base_version=c.base_version, c_tokens=c.c_tokens, c_steps=c.c_steps,
             local_step=c.local_step, codec=self.codec.wire, numel=c.delta.size)
         self.events.emit("push_invoke", learner=self.learner_id, fragment=c.fragment,
-                         seq=c.seq, base_version=c.base_version)
+                         seq=c.seq, base_version=c.base_version, c_steps=c.c_steps,
+                         work_s=round(c.work_s, 4))
         c.in_flight = True
         try:
             ack = await self._call(lambda: self._push(header, c.delta, self.codec))

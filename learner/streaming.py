@@ -16,9 +16,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,12 +43,27 @@ def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
 
 @dataclass
 class _FragmentState:
+    # Where the next outer gradient is measured from: the last merged values
+    # applied, or our own values at the last push (so two pushes never both
+    # carry the same local progress when a merged version is slow to come).
     base: np.ndarray
     base_version: int
     tokens: int = 0
     steps: int = 0
+    since: float = field(default_factory=time.monotonic)
     apply_at: int | None = None
     pending: Future[Pulled | None] | None = None
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    fragment: int
+    delta: np.ndarray
+    base_version: int
+    tokens: int
+    steps: int
+    local_step: int
+    work_s: float
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,7 @@ class FragmentSync:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ftsync-client",
                                         daemon=True)
-        self._sends: asyncio.Queue[tuple[int, np.ndarray, int, int, int, int]] | None = None
+        self._sends: asyncio.Queue[_Outgoing] | None = None
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------
@@ -155,8 +171,11 @@ class FragmentSync:
 
     def _push(self, p: int) -> None:
         state = self.fragments[p]
-        delta = state.base - self.read(p)
-        item = (p, delta, state.base_version, state.tokens, state.steps, self.local_step)
+        current = self.read(p)
+        now = time.monotonic()
+        item = _Outgoing(p, state.base - current, state.base_version, state.tokens,
+                         state.steps, self.local_step, now - state.since)
+        state.base, state.tokens, state.steps, state.since = current, 0, 0, now
         assert self._sends is not None
         self._loop.call_soon_threadsafe(self._enqueue, item)
         if state.pending is None:
@@ -164,13 +183,14 @@ class FragmentSync:
             state.pending = asyncio.run_coroutine_threadsafe(
                 self.client.pull(p, state.base_version, self.settings.pull_wait_s), self._loop)
 
-    def _enqueue(self, item: tuple[int, np.ndarray, int, int, int, int]) -> None:
+    def _enqueue(self, item: _Outgoing) -> None:
         assert self._sends is not None
         while self._sends.qsize() >= self.settings.max_backlog:
             dropped = self._sends.get_nowait()
             self._sends.task_done()
             self.client.events.emit("dropped", learner=self.client.learner_id,
-                                    fragment=dropped[0], reason="backlog_full")
+                                    fragment=dropped.fragment, reason="backlog_full",
+                                    work_s=dropped.work_s)
         self._sends.put_nowait(item)
 
     def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
@@ -195,7 +215,10 @@ class FragmentSync:
         state.base = pulled.values
         state.base_version = pulled.version
         state.tokens = state.steps = 0
+        state.since = time.monotonic()
         self.applied_versions[p] = pulled.version
+        self.client.events.emit("applied", learner=self.client.learner_id, fragment=p,
+                                version=pulled.version, step=self.local_step)
         return True
 
     # -- the background loop ---------------------------------------------------------
@@ -203,13 +226,15 @@ class FragmentSync:
     async def _sender(self) -> None:
         assert self._sends is not None
         while True:
-            p, delta, base_version, tokens, steps, local_step = await self._sends.get()
+            item = await self._sends.get()
             try:
-                if tokens > 0 and steps > 0:
-                    await self.client.push(p, delta, base_version, tokens, steps, local_step)
+                if item.tokens > 0 and item.steps > 0:
+                    await self.client.push(item.fragment, item.delta, item.base_version,
+                                           item.tokens, item.steps, item.local_step,
+                                           work_s=item.work_s)
             except Exception as exc:  # reported; training goes on
                 self.client.events.emit("push_failed", learner=self.client.learner_id,
-                                        fragment=p, error=str(exc)[:200])
+                                        fragment=item.fragment, error=str(exc)[:200])
             finally:
                 self._sends.task_done()
 
