@@ -186,18 +186,24 @@ class _Locator:
     def __call__(self, keys: tuple[str, ...]) -> str:
         if not self.path or ".".join(keys) in self.overridden:
             return "(from --set)"
-        section = ".".join(keys[:-1])
-        in_section = section == ""
+        # Tables are named by their header; the n-th [[array]] entry by index n.
+        section = tuple(k for k in keys[:-1])
+        current: tuple[str, ...] = ()
+        arrays: dict[str, int] = {}
         for number, line in enumerate(self.lines, start=1):
             stripped = line.split("#", 1)[0].strip()
-            header = re.fullmatch(r"\[\[?\s*([^\]]+?)\s*\]\]?", stripped)
+            header = re.fullmatch(r"(\[\[?)\s*([^\]]+?)\s*\]\]?", stripped)
             if header:
-                in_section = header.group(1).replace('"', "") == section
+                name = header.group(2).replace('"', "")
+                if header.group(1) == "[[":
+                    arrays[name] = arrays.get(name, -1) + 1
+                    current = (*name.split("."), str(arrays[name]))
+                else:
+                    current = tuple(name.split("."))
                 continue
-            if in_section and re.match(rf'"?{re.escape(keys[-1])}"?\s*=', stripped):
+            if current == section and re.match(rf'"?{re.escape(keys[-1])}"?\s*=', stripped):
                 return f"({self.path}, line {number})"
-            dotted = ".".join(keys)
-            if re.match(rf"{re.escape(dotted)}\s*=", stripped):
+            if not current and re.match(rf"{re.escape('.'.join(keys))}\s*=", stripped):
                 return f"({self.path}, line {number})"
         return f"({self.path})"
 
@@ -220,11 +226,22 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: tuple[str, ...],
         return cls(**kwargs)
     except ValueError as exc:
         bad = _key_named_in(str(exc), prefix, data)
-        raise ConfigError(f"{exc} {where(bad)}") from exc
+        dotted = ".".join(bad)
+        named = str(exc) if dotted in str(exc) else f"{dotted}: {exc}"
+        raise ConfigError(f"{named} {where(bad)}") from exc
 
 
 def _key_named_in(message: str, prefix: tuple[str, ...],
                   data: Mapping[str, Any]) -> tuple[str, ...]:
+    """The key a validation message is about: a dotted path it spells out, or a
+    key of this table it names."""
+    for dotted in re.findall(r"[A-Za-z_][\w-]*(?:\.[\w-]+)+", message):
+        parts = tuple(dotted.split("."))
+        relative = parts[len(prefix):]
+        if parts[:len(prefix)] == prefix and relative and relative[0] in data:
+            return parts
+        if parts[0] in data:
+            return (*prefix, *parts)
     for key in data:
         if re.search(rf"\b{re.escape(key)}\b", message):
             return (*prefix, key)

@@ -12,7 +12,9 @@ to the model's parameters on whatever device they live.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -35,21 +37,31 @@ class FragmentPlan:
         return [f.numel for f in self.fragments]
 
 
-def plan_fragments(model: torch.nn.Module, count: int) -> FragmentPlan:
-    """Greedy balanced bin-packing of `model`'s trainable tensors into `count` fragments."""
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+K = TypeVar("K", str, int)
+
+
+def pack_balanced(sizes: Mapping[K, int], count: int, what: str) -> list[list[K]]:
+    """Greedy balanced bin-packing: largest item first, into the lightest bin;
+    ties break by key, so the result depends only on keys and sizes."""
     if count < 1:
         raise ValueError(f"fragments must be at least 1, got {count}")
-    if count > len(params):
-        raise ValueError(f"cannot split {len(params)} parameter tensors into {count} fragments; "
-                         f"use at most {len(params)}")
-    order = sorted(params, key=lambda item: (-item[1].numel() * item[1].element_size(), item[0]))
+    if count > len(sizes):
+        raise ValueError(f"cannot split {len(sizes)} {what} into {count} fragments; "
+                         f"use at most {len(sizes)}")
     loads = [0] * count
-    members: list[list[str]] = [[] for _ in range(count)]
-    for name, p in order:
+    members: list[list[K]] = [[] for _ in range(count)]
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
         lightest = min(range(count), key=lambda i: (loads[i], i))
-        loads[lightest] += p.numel() * p.element_size()
-        members[lightest].append(name)
+        loads[lightest] += sizes[key]
+        members[lightest].append(key)
+    return members
+
+
+def plan_fragments(model: torch.nn.Module, count: int) -> FragmentPlan:
+    """Balanced bin-packing of `model`'s trainable tensors (by bytes) into `count` fragments."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    members = pack_balanced({name: p.numel() * p.element_size() for name, p in params}, count,
+                            "parameter tensors")
     by_name = dict(params)
     digest = hashlib.sha256()
     fragments = []
