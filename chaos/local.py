@@ -35,19 +35,20 @@ class CoordinatorProcess:
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         listen = f"127.0.0.1:{self.port}"
-        log = open(self.state_dir.parent / f"{self.state_dir.name}.stderr.log", "a")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--listen", listen,
-             "--state-dir", str(self.state_dir), *self.args],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log_path = self.state_dir.parent / f"{self.state_dir.name}.stderr.log"
+        with open(log_path, "a") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "coordinator", "--listen", listen,
+                 "--state-dir", str(self.state_dir), *self.args],
+                stdout=subprocess.PIPE, stderr=log, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         assert self.process.stdout is not None
         while time.monotonic() < deadline:
             line = self.process.stdout.readline()
             if not line:
                 raise RuntimeError(f"coordinator exited with {self.process.wait()}; "
-                                   f"see {log.name}")
+                                   f"see {log_path}")
             match = re.search(r"listening on (\S+):(\d+)", line)
             if match:
                 self.port = int(match.group(2))
@@ -73,8 +74,8 @@ class CoordinatorProcess:
                 self.process.wait()
         return self.process.returncode
 
-    def status(self) -> pb.StatusResponse:
+    def status(self, timeout: float = 10.0) -> pb.StatusResponse:
         with grpc.insecure_channel(self.address) as channel:
             response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
-                pb.StatusRequest(), timeout=10)
+                pb.StatusRequest(), timeout=timeout)
             return response

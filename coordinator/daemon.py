@@ -56,6 +56,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+        # Learners ping every 10 s to notice cut connections; let them.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ])
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)

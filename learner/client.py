@@ -35,6 +35,10 @@ T = TypeVar("T")
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
+    # Notice a cut connection in seconds, not at the next call's deadline.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]
 # Codes worth retrying: the coordinator is down, restarting or overloaded.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -1,0 +1,531 @@
+"""A fault-injecting TCP proxy: the chaos harness's network faults.
+
+The kernel here has no netem, so the chaos harness's process backend puts one
+`ThreadedProxy` between each learner and the coordinator (the learner dials
+the proxy's port, the proxy dials the coordinator) and injects latency,
+bandwidth caps, partitions and connection resets by switching faults on that
+proxy at runtime. Faults compose: latency delays each piece, the bandwidth
+cap paces what is due, a partition discards everything. With no fault active
+the proxy only copies bytes, with large buffers and backpressure, fast enough
+for gRPC pushes of hundreds of MB/s. `FaultProxy` runs on the caller's asyncio
+loop; `ThreadedProxy` runs one on its own loop in a background thread for
+synchronous callers such as the chaos harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+__all__ = ["FaultProxy", "ProxyStats", "ThreadedProxy", "parse_address"]
+
+T = TypeVar("T")
+
+# One read from a socket; also the StreamReader's limit, so its transport
+# pauses reading only once 2 × this is buffered.
+_READ_BYTES = 64 << 10
+_STREAM_LIMIT = 1 << 20
+# Bytes one direction of one connection may hold between reading and writing
+# (pieces waiting out their latency); past it the reader stops reading and TCP
+# pushes back on the sender. Caps throughput under latency at this / latency.
+_IN_FLIGHT_BYTES = 16 << 20
+# Write buffer before `drain()` waits: enough to keep the socket busy.
+_WRITE_HIGH_WATER = 4 << 20
+# Under a bandwidth cap, pieces go out in slices of this many seconds' worth,
+# so a low cap paces smoothly instead of in 64 KiB bursts; also the burst.
+_PACING_S = 0.02
+_MIN_SLICE = 4 << 10
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """`"host:port"` or `(host, port)` as `(host, port)`."""
+    if isinstance(address, tuple):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"upstream address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class ProxyStats:
+    """Counters since start; `up` is learner → coordinator, `down` the reverse."""
+
+    connections_accepted: int = 0
+    connections_active: int = 0
+    connections_reset: int = 0
+    connect_failures: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    bytes_discarded_up: int = 0
+    bytes_discarded_down: int = 0
+
+
+class _TokenBucket:
+    """Paces one direction of the whole proxy (all connections share it).
+
+    Takers may run into debt: each one sleeps until the debt it sees is paid,
+    so concurrent takers are served at the rate in aggregate, in turn.
+    """
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self._tokens = 0.0
+        self._stamp = 0.0
+
+    def set_rate(self, bytes_per_s: float | None, now: float) -> None:
+        self.rate = float(bytes_per_s) if bytes_per_s else None
+        self._tokens = self.burst
+        self._stamp = now
+
+    @property
+    def burst(self) -> float:
+        return 0.0 if self.rate is None else max(_MIN_SLICE, self.rate * _PACING_S)
+
+    async def take(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        rate = self.rate
+        if rate is None:
+            return
+        now = loop.time()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * rate) - n
+        self._stamp = now
+        if self._tokens < 0:
+            await asyncio.sleep(-self._tokens / rate)
+
+
+class _Pipe:
+    """Pieces read but not yet written, in order, each with the time it is due.
+
+    One reader puts, one writer takes; it holds at most `_IN_FLIGHT_BYTES`
+    (a piece that would cross that waits until the writer catches up).
+    `None` for data means end of stream.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[float, bytes | None]] = deque()
+        self._bytes = 0
+        self._not_empty = asyncio.Event()
+        self._not_full = asyncio.Event()
+        self._not_full.set()
+
+    async def put(self, due: float, data: bytes | None) -> None:
+        while self._bytes >= _IN_FLIGHT_BYTES:
+            self._not_full.clear()
+            await self._not_full.wait()
+        self._items.append((due, data))
+        self._bytes += len(data) if data else 0
+        self._not_empty.set()
+
+    async def get(self) -> tuple[float, bytes | None]:
+        while not self._items:
+            self._not_empty.clear()
+            await self._not_empty.wait()
+        due, data = self._items.popleft()
+        self._bytes -= len(data) if data else 0
+        if self._bytes < _IN_FLIGHT_BYTES:
+            self._not_full.set()
+        return due, data
+
+    def ready(self, now: float) -> bool:
+        """Whether the next piece is due by `now` (and is data, not the end)."""
+        return bool(self._items) and self._items[0][0] <= now and self._items[0][1] is not None
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST, not a FIN: the peer sees ECONNRESET, as from a middlebox."""
+    transport = writer.transport
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class _Connection:
+    """One accepted connection and, unless blackholed from the start, its upstream."""
+
+    def __init__(self, client: asyncio.StreamWriter, handler: asyncio.Task[None]) -> None:
+        self.client = client
+        self.upstream: asyncio.StreamWriter | None = None
+        self.handler = handler
+        self.pumps: list[asyncio.Task[None]] = []
+        # Set by a partition; a blackholed connection never forwards again and
+        # is reset at heal (see FaultProxy.heal).
+        self.blackholed = False
+        self.aborted = False
+
+    def abort(self) -> None:
+        """RST both sides and stop pumping; the handler then finishes by itself."""
+        self.aborted = True
+        for writer in (self.client, self.upstream):
+            if writer is not None:
+                _abort(writer)
+        for task in self.pumps:
+            task.cancel()
+
+
+class FaultProxy:
+    """Forwards connections on `host:port` to `upstream`, with switchable faults.
+
+    Use on a running asyncio loop: `port = await proxy.start()`, then the fault
+    methods (plain methods, to be called on that loop's thread), then
+    `await proxy.stop()`. From other threads use `ThreadedProxy`.
+    """
+
+    def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.upstream = parse_address(upstream)
+        self.host = host
+        self.port = port
+        self.stats = ProxyStats()
+        self._latency_s = 0.0
+        self._bandwidth: float | None = None
+        self._partitioned = False
+        self._stopping = False
+        self._buckets = {"up": _TokenBucket(), "down": _TokenBucket()}
+        self._connections: set[_Connection] = set()
+        self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Listen; returns the port (the ephemeral one if constructed with 0)."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_server(self._handle, self.host, self.port,
+                                                  limit=_STREAM_LIMIT)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        """Close the listener and every connection; nothing is left running."""
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+        # A connection accepted just before the listener closed registers late.
+        while self._connections:
+            connections = list(self._connections)
+            for connection in connections:
+                connection.abort()
+            handlers = [c.handler for c in connections]
+            # Aborted connections end at once; cancel is the backstop.
+            _, pending = await asyncio.wait(handlers, timeout=5.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    # -- faults -----------------------------------------------------------------------
+
+    def set_latency(self, ms: float) -> None:
+        """Delay every piece by `ms`, one way, in each direction (RTT grows by 2 × ms).
+
+        Pieces already read keep the delay they were read under; order is kept.
+        """
+        if ms < 0:
+            raise ValueError("latency must be >= 0 ms")
+        self._latency_s = ms / 1000.0
+
+    def set_bandwidth(self, bytes_per_s: float | None) -> None:
+        """Cap each direction at `bytes_per_s`, across all of this proxy's
+        connections together (one proxy models one learner's link); 0 or None
+        lifts the cap."""
+        if bytes_per_s is not None and bytes_per_s < 0:
+            raise ValueError("bandwidth must be >= 0 bytes/s")
+        self._bandwidth = float(bytes_per_s) if bytes_per_s else None
+        now = self._now()
+        for bucket in self._buckets.values():
+            bucket.set_rate(self._bandwidth, now)
+
+    def partition(self) -> None:
+        """Blackhole: every connection, current or new, silently discards what
+        it reads in both directions, like a cut cable; peers see no error, so
+        their calls hang until a deadline or keepalive gives up. Bytes already
+        handed to a socket (at most its 4 MiB write buffer) still go out."""
+        self._partitioned = True
+        for connection in self._connections:
+            connection.blackholed = True
+
+    def heal(self) -> None:
+        """Forward again, and reset every connection that was blackholed.
+
+        A real cable cut loses nothing: TCP retransmits once it is mended. Our
+        partition discarded bytes in the middle of streams, so those streams
+        (HTTP/2 frames) are corrupt and must not resume; resetting them also
+        lets gRPC reconnect at once instead of hanging until a deadline.
+        """
+        self._partitioned = False
+        for connection in [c for c in self._connections if c.blackholed]:
+            self._reset(connection)
+
+    def reset_connections(self) -> None:
+        """Abort every current connection with an RST (both sides); new ones
+        proceed normally."""
+        for connection in list(self._connections):
+            self._reset(connection)
+
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    def describe(self) -> dict[str, Any]:
+        """Where it listens, what it forwards to, the active faults and the stats."""
+        return {
+            "listen": self.address,
+            "upstream": f"{self.upstream[0]}:{self.upstream[1]}",
+            "latency_ms": self._latency_s * 1000.0,
+            "bandwidth_bytes_per_s": self._bandwidth,
+            "partitioned": self._partitioned,
+            **asdict(self.stats),
+        }
+
+    # -- forwarding -------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
+
+    def _reset(self, connection: _Connection) -> None:
+        if not connection.aborted:
+            self.stats.connections_reset += 1
+            connection.abort()
+
+    async def _handle(self, client_reader: asyncio.StreamReader,
+                      client_writer: asyncio.StreamWriter) -> None:
+        handler = asyncio.current_task()
+        assert handler is not None
+        connection = _Connection(client_writer, handler)
+        self._connections.add(connection)
+        self.stats.connections_accepted += 1
+        self.stats.connections_active += 1
+        if self._stopping:
+            connection.abort()
+        try:
+            await self._serve(connection, client_reader)
+        except OSError:
+            # A reset or refusal on either side: the connection is over.
+            connection.abort()
+        finally:
+            self._connections.discard(connection)
+            self.stats.connections_active -= 1
+            for writer in (connection.client, connection.upstream):
+                if writer is not None:
+                    writer.close()
+
+    async def _serve(self, connection: _Connection, client_reader: asyncio.StreamReader) -> None:
+        if connection.aborted:
+            return
+        if self._partitioned:
+            # A cut cable: the connection never reaches upstream. Read and
+            # discard until heal resets it or the client gives up.
+            connection.blackholed = True
+            while data := await client_reader.read(_READ_BYTES):
+                self.stats.bytes_discarded_up += len(data)
+            return
+        host, port = self.upstream
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(
+                host, port, limit=_STREAM_LIMIT)
+        except OSError:
+            self.stats.connect_failures += 1
+            connection.abort()
+            return
+        connection.upstream = upstream_writer
+        if connection.aborted:  # reset or healed while we were connecting
+            _abort(upstream_writer)
+            return
+        for writer in (connection.client, upstream_writer):
+            writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        up, down = _Pipe(), _Pipe()
+        pumps = [
+            asyncio.create_task(self._receive(connection, client_reader, up, "up")),
+            asyncio.create_task(self._deliver(connection, up, upstream_writer, "up")),
+            asyncio.create_task(self._receive(connection, upstream_reader, down, "down")),
+            asyncio.create_task(self._deliver(connection, down, connection.client, "down")),
+        ]
+        connection.pumps = pumps
+        try:
+            done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not t.cancelled() and t.exception() is not None for t in done):
+                connection.abort()
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _receive(self, connection: _Connection, reader: asyncio.StreamReader,
+                       pipe: _Pipe, direction: str) -> None:
+        loop = asyncio.get_running_loop()
+        while data := await reader.read(_READ_BYTES):
+            if connection.blackholed:
+                self._count_discarded(direction, len(data))
+            else:
+                await pipe.put(loop.time() + self._latency_s, data)
+        await pipe.put(loop.time() + self._latency_s, None)
+
+    async def _deliver(self, connection: _Connection, pipe: _Pipe,
+                       writer: asyncio.StreamWriter, direction: str) -> None:
+        loop = asyncio.get_running_loop()
+        bucket = self._buckets[direction]
+        while True:
+            due, data = await pipe.get()
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if data is None:
+                if not connection.blackholed and writer.can_write_eof():
+                    with contextlib.suppress(OSError):
+                        writer.write_eof()
+                return
+            if bucket.rate is None:
+                # Coalesce what else is already due into one write.
+                pieces = [data]
+                while pipe.ready(loop.time()):
+                    more = (await pipe.get())[1]
+                    assert more is not None
+                    pieces.append(more)
+                if connection.blackholed:
+                    self._count_discarded(direction, sum(map(len, pieces)))
+                    continue
+                writer.writelines(pieces)
+                self._count_forwarded(direction, sum(map(len, pieces)))
+                await writer.drain()
+                continue
+            # Under a cap, go out in slices so pacing is smooth at low rates.
+            view = memoryview(data)
+            step = max(1, int(bucket.burst))
+            for start in range(0, len(view), step):
+                piece = view[start:start + step]
+                if not connection.blackholed:
+                    await bucket.take(len(piece), loop)
+                if connection.blackholed:  # before or while waiting for tokens
+                    self._count_discarded(direction, len(piece))
+                    continue
+                writer.write(piece)
+                self._count_forwarded(direction, len(piece))
+                await writer.drain()
+
+    def _count_forwarded(self, direction: str, n: int) -> None:
+        if direction == "up":
+            self.stats.bytes_up += n
+        else:
+            self.stats.bytes_down += n
+
+    def _count_discarded(self, direction: str, n: int) -> None:
+        if direction == "up":
+            self.stats.bytes_discarded_up += n
+        else:
+            self.stats.bytes_discarded_down += n
+
+
+class ThreadedProxy:
+    """A `FaultProxy` on its own asyncio loop in a daemon thread, for synchronous
+    callers; each method returns once the proxy has applied it."""
+
+    def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
+                 port: int = 0, timeout_s: float = 10.0) -> None:
+        self.proxy = FaultProxy(upstream, host=host, port=port)
+        self.timeout_s = timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    @property
+    def address(self) -> str:
+        return self.proxy.address
+
+    def start(self) -> int:
+        """Start the loop thread and listen; returns the port."""
+        if self._thread is not None:
+            raise RuntimeError("proxy already started")
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        upstream = "{}:{}".format(*self.proxy.upstream)
+        self._thread = threading.Thread(target=self._run_loop, args=(loop,),
+                                        name=f"fault-proxy->{upstream}", daemon=True)
+        self._thread.start()
+        try:
+            return self._submit(self.proxy.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def stop(self) -> None:
+        """Close the listener and every connection, and end the loop thread."""
+        if self._thread is None:
+            return
+        try:
+            self._submit(self.proxy.stop())
+        finally:
+            self._stop_loop()
+
+    def set_latency(self, ms: float) -> None:
+        self._apply(lambda: self.proxy.set_latency(ms))
+
+    def set_bandwidth(self, bytes_per_s: float | None) -> None:
+        self._apply(lambda: self.proxy.set_bandwidth(bytes_per_s))
+
+    def partition(self) -> None:
+        self._apply(self.proxy.partition)
+
+    def heal(self) -> None:
+        self._apply(self.proxy.heal)
+
+    def reset_connections(self) -> None:
+        self._apply(self.proxy.reset_connections)
+
+    def describe(self) -> dict[str, Any]:
+        return self._apply(self.proxy.describe)
+
+    def __enter__(self) -> ThreadedProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals ------------------------------------------------------------------
+
+    @staticmethod
+    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def _stop_loop(self) -> None:
+        assert self._loop is not None and self._thread is not None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(self.timeout_s)
+        self._thread = None
+
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None or self._thread is None:
+            coroutine.close()
+            raise RuntimeError("proxy not started")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(self.timeout_s)
+
+    def _apply(self, call: Callable[[], T]) -> T:
+        async def on_loop() -> T:
+            return call()
+        return self._submit(on_loop())

@@ -1,0 +1,1 @@
+"""Runnable examples of the learner library (`python -m learner.examples.NAME`)."""

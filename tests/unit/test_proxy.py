@@ -1,0 +1,328 @@
+"""The fault-injecting TCP proxy against a real echo server on 127.0.0.1:
+forwarding, latency, bandwidth, partition/heal, reset, stop, and the
+threaded wrapper the chaos harness uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from chaos.proxy import FaultProxy, ThreadedProxy, parse_address
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@contextlib.asynccontextmanager
+async def echo_server() -> AsyncIterator[int]:
+    """An upstream that sends back whatever it reads; yields its port."""
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def proxied_echo() -> AsyncIterator[FaultProxy]:
+    async with echo_server() as port:
+        proxy = FaultProxy(("127.0.0.1", port))
+        await proxy.start()
+        try:
+            yield proxy
+        finally:
+            await proxy.stop()
+
+
+async def connect(proxy: FaultProxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", proxy.port, limit=1 << 20)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0,
+                   message: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(0.01)
+
+
+async def round_trip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     payload: bytes = b"ping") -> float:
+    started = time.monotonic()
+    writer.write(payload)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.readexactly(len(payload)), 5.0) == payload
+    return time.monotonic() - started
+
+
+async def closed_by_peer(reader: asyncio.StreamReader) -> bool:
+    """Whether the connection ends (EOF or reset) with no more data."""
+    try:
+        return await asyncio.wait_for(reader.read(1 << 16), 5.0) == b""
+    except ConnectionError:
+        return True
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert parse_address("[::1]:7") == ("::1", 7)
+    assert parse_address(("h", 1)) == ("h", 1)
+    with pytest.raises(ValueError, match="host:port"):
+        parse_address("localhost")
+
+
+def test_data_passes_both_ways_unchanged_and_is_counted() -> None:
+    payload = random.Random(0).randbytes(4 << 20)
+
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+
+            async def send() -> None:
+                for start in range(0, len(payload), 1 << 18):
+                    writer.write(payload[start:start + (1 << 18)])
+                    await writer.drain()
+                writer.write_eof()
+
+            sending = asyncio.create_task(send())
+            echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10.0)
+            await sending
+            assert echoed == payload
+            # Our half-close went through and the echo server's came back.
+            assert await closed_by_peer(reader)
+            writer.close()
+            await wait_for(lambda: proxy.stats.connections_active == 0,
+                           message="the proxy to drop the finished connection")
+            described = proxy.describe()
+            assert described["bytes_up"] == described["bytes_down"] == len(payload)
+            assert described["connections_accepted"] == 1
+            assert described["bytes_discarded_up"] == described["bytes_discarded_down"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_latency_delays_each_direction_and_keeps_order() -> None:
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+            assert await round_trip(reader, writer) < 0.1
+            proxy.set_latency(50)
+            assert proxy.describe()["latency_ms"] == 50
+            # One way each direction: the round trip takes at least twice the latency.
+            assert await round_trip(reader, writer) >= 0.1
+            # Many small pieces, each delayed, arrive in order and overlap in flight.
+            messages = [f"{i:06d}".encode() for i in range(200)]
+            started = time.monotonic()
+            for message in messages:
+                writer.write(message)
+                await writer.drain()
+                await asyncio.sleep(0)
+            echoed = await asyncio.wait_for(reader.readexactly(6 * len(messages)), 5.0)
+            assert echoed == b"".join(messages)
+            assert 0.1 <= time.monotonic() - started < 1.0
+            proxy.set_latency(0)
+            assert await round_trip(reader, writer) < 0.1
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_bandwidth_cap_paces_a_transfer() -> None:
+    payload = random.Random(1).randbytes(1_000_000)
+
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+            proxy.set_bandwidth(2_000_000)
+            # Both directions are capped, but they overlap: ≈ 1 MB / 2 MB/s.
+            elapsed = await round_trip(reader, writer, payload)
+            assert 0.4 <= elapsed <= 0.9, elapsed
+            proxy.set_bandwidth(None)
+            assert await round_trip(reader, writer, payload) < 0.3
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_partition_blackholes_and_heal_resets_so_new_connections_work() -> None:
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+            await round_trip(reader, writer)
+            proxy.partition()
+            writer.write(b"lost")
+            await writer.drain()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.3)
+            # New connections are accepted but blackholed as well.
+            reader2, writer2 = await connect(proxy)
+            writer2.write(b"lost too")
+            await writer2.drain()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader2.read(1), 0.3)
+            described = proxy.describe()
+            assert described["partitioned"] is True
+            await wait_for(lambda: proxy.stats.bytes_discarded_up == len(b"lostlost too"),
+                           message="the proxy to discard what was sent")
+            proxy.heal()
+            # The blackholed connections are reset, not resumed mid-stream.
+            assert await closed_by_peer(reader)
+            assert await closed_by_peer(reader2)
+            reader3, writer3 = await connect(proxy)
+            await round_trip(reader3, writer3)
+            for w in (writer, writer2, writer3):
+                w.close()
+
+    asyncio.run(scenario())
+
+
+def test_reset_aborts_current_connections_only() -> None:
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+            await round_trip(reader, writer)
+            proxy.reset_connections()
+            assert await closed_by_peer(reader)
+            await wait_for(lambda: proxy.stats.connections_active == 0,
+                           message="the reset connection to go")
+            reader2, writer2 = await connect(proxy)
+            await round_trip(reader2, writer2)
+            assert proxy.stats.connections_reset == 1
+            assert proxy.stats.connections_accepted == 2
+            writer.close()
+            writer2.close()
+
+    asyncio.run(scenario())
+
+
+def test_faults_compose() -> None:
+    async def scenario() -> None:
+        async with proxied_echo() as proxy:
+            reader, writer = await connect(proxy)
+            proxy.set_latency(50)
+            proxy.set_bandwidth(1_000_000)
+            # 200 kB at 1 MB/s plus 2 × 50 ms.
+            elapsed = await round_trip(reader, writer, b"z" * 200_000)
+            assert 0.25 <= elapsed < 0.8, elapsed
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_upstream_closes_the_connection() -> None:
+    async def scenario() -> None:
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        proxy = FaultProxy(f"127.0.0.1:{port}")
+        await proxy.start()
+        reader, writer = await connect(proxy)
+        assert await closed_by_peer(reader)
+        await wait_for(lambda: proxy.stats.connect_failures == 1, message="connect failure")
+        writer.close()
+        await proxy.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stop_closes_listener_and_connections_and_leaves_nothing_running() -> None:
+    async def scenario() -> None:
+        async with echo_server() as upstream:
+            proxy = FaultProxy(("127.0.0.1", upstream))
+            port = await proxy.start()
+            reader, writer = await connect(proxy)
+            await round_trip(reader, writer)
+            proxy.set_latency(20)
+            writer.write(b"in flight")
+            await proxy.stop()
+            assert await closed_by_peer(reader)
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.1", port)
+            assert proxy.stats.connections_active == 0
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+class _Echo(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := self.request.recv(1 << 16):
+                self.request.sendall(data)
+
+
+def test_threaded_proxy_serves_synchronous_callers() -> None:
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo) as echo:
+        echo.daemon_threads = True
+        serving = threading.Thread(target=echo.serve_forever, kwargs={"poll_interval": 0.05})
+        serving.start()
+        proxy = ThreadedProxy(f"127.0.0.1:{echo.server_address[1]}")
+        try:
+            port = proxy.start()
+            assert proxy.address == f"127.0.0.1:{port}"
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                client.sendall(b"hello")
+                assert client.recv(5) == b"hello"
+                proxy.set_latency(30)
+                started = time.monotonic()
+                client.sendall(b"again")
+                assert client.recv(5) == b"again"
+                assert time.monotonic() - started >= 0.06
+                proxy.set_latency(0)
+                proxy.partition()
+                assert proxy.describe()["partitioned"] is True
+                client.sendall(b"lost")
+                client.settimeout(0.2)
+                with pytest.raises(TimeoutError):
+                    client.recv(1)
+                proxy.heal()
+                client.settimeout(5)
+                with contextlib.suppress(ConnectionError):
+                    assert client.recv(1) == b""
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                client.sendall(b"ok")
+                assert client.recv(2) == b"ok"
+                proxy.set_bandwidth(10_000_000)
+                proxy.reset_connections()
+                with contextlib.suppress(ConnectionError):
+                    assert client.recv(1) == b""
+            stats = proxy.describe()
+            assert stats["connections_accepted"] == 2 and stats["connections_reset"] == 2
+            assert stats["bandwidth_bytes_per_s"] == 10_000_000
+        finally:
+            proxy.stop()
+            echo.shutdown()
+            serving.join(10)
+    assert not any(t.name.startswith("fault-proxy") for t in threading.enumerate())
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    proxy.stop()  # a second stop is harmless
