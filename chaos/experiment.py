@@ -1,0 +1,201 @@
+"""Chaos experiment files: a topology, a workload, a fault schedule, checks.
+
+An experiment is one TOML file loaded into the frozen dataclasses below with
+the same loader as the coordinator's configuration, so every mistake is
+reported with its key and line before anything starts. `schedule()` turns
+the fault specs into a concrete, seeded timeline, so a run can be replayed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from coordinator.config import ConfigError, load
+
+FaultKind = Literal[
+    "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
+    "latency", "bandwidth", "reset_connections", "adversary",
+]
+LEARNER_FAULTS = {"kill_learner", "pause_learner", "straggle", "partition_learner",
+                  "latency", "bandwidth", "reset_connections"}
+NETWORK_FAULTS = {"partition_learner", "latency", "bandwidth", "reset_connections"}
+ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    # async: quorum `min_quorum` with a grace window; sync: lock-step DiLoCo
+    # (quorum = every learner, no grace, learners wait for each merge).
+    mode: Literal["async", "sync"] = "async"
+    min_quorum: int = 1
+    # Any further coordinator settings, as `--set key=value` (e.g. "outer.lr" = 0.3).
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.min_quorum < 1:
+            raise ValueError(f"coordinator.min_quorum must be at least 1 (got {self.min_quorum})")
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    count: int = 4
+    task: Literal["lm-stdlib", "digits", "synthetic"] = "lm-stdlib"
+    size: Literal["tiny", "small", "base"] = "small"
+    steps: int = 600
+    sync_every: int = 20
+    fragments: int = 4
+    overlap: int = 2
+    compression: Literal["fp32", "bf16", "int8", "e3m0"] = "fp32"
+    threads: int = 1
+    # Further ftsync-learner flags, passed as they are.
+    args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("count", "steps", "sync_every", "fragments", "overlap", "threads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"learners.{key} must be at least 1 (got {getattr(self, key)})")
+
+    def ids(self) -> list[str]:
+        return [f"learner-{i}" for i in range(self.count)]
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: FaultKind
+    # A learner id ("learner-2"), "random" (a learner drawn with the seed) or
+    # "coordinator"; adversaries join as their own learner and need no target.
+    target: str = "random"
+    # When: exactly one of at_s (once), every_s (repeatedly) or mtbf_s
+    # (exponential gaps with this mean), in seconds from the start of the run.
+    at_s: float | None = None
+    every_s: float | None = None
+    mtbf_s: float | None = None
+    # With every_s/mtbf_s: the most times it happens (0: as often as the run allows).
+    count: int = 0
+    # How long until the fault heals: a killed process restarts, a paused one
+    # resumes, a partition heals, a link fault is lifted.
+    duration_s: float = 5.0
+    latency_ms: float = 200.0
+    bandwidth_bytes_s: int = 200_000
+    # straggle: the share of each 100 ms the learner may run (1/3: 3× slower).
+    duty: float = 1 / 3
+    # adversary: what the corrupt learner sends.
+    adversary: list[str] = field(default_factory=lambda: list(ADVERSARY_KINDS))
+
+    def __post_init__(self) -> None:
+        when = [k for k in ("at_s", "every_s", "mtbf_s") if getattr(self, k) is not None]
+        if len(when) != 1:
+            raise ValueError(f"a fault needs exactly one of at_s, every_s or mtbf_s "
+                             f"(kind {self.kind!r} has {when or 'none'})")
+        value = getattr(self, when[0])
+        if value < 0 or (when[0] != "at_s" and value <= 0):
+            raise ValueError(f"{when[0]} must be positive (got {value})")
+        if self.duration_s < 0:
+            raise ValueError(f"duration_s must be >= 0 (got {self.duration_s})")
+        if self.kind == "kill_coordinator" and self.target not in ("coordinator", "random"):
+            raise ValueError(f"target of kill_coordinator must be 'coordinator' "
+                             f"(got {self.target!r})")
+        if self.kind in LEARNER_FAULTS and self.target == "coordinator":
+            raise ValueError(f"target of {self.kind} must be a learner id or 'random'")
+        if not 0 < self.duty < 1:
+            raise ValueError(f"duty must be in (0, 1) (got {self.duty})")
+        unknown = sorted(set(self.adversary) - set(ADVERSARY_KINDS))
+        if unknown:
+            raise ValueError(f"adversary kinds {unknown} unknown; valid: {list(ADVERSARY_KINDS)}")
+        if self.latency_ms < 0 or self.bandwidth_bytes_s <= 0:
+            raise ValueError("latency_ms must be >= 0 and bandwidth_bytes_s > 0")
+
+
+@dataclass(frozen=True)
+class ChecksSpec:
+    # Longest a healthy learner may go without a training step (0: not
+    # checked, e.g. for lock-step baselines, whose learners do wait).
+    max_blocked_s: float = 20.0
+    min_goodput: float = 0.0
+    min_uptime: float = 0.0
+    loss_must_drop: bool = True
+    # Width of the windows uptime is counted in.
+    window_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    seed: int = 0
+    # The run stops (learners are told to finish) after this long.
+    max_duration_s: float = 300.0
+    # Put a fault-injecting TCP proxy between every learner and the coordinator.
+    proxy: bool = True
+    coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec)
+    learners: LearnerSpec = field(default_factory=LearnerSpec)
+    faults: list[FaultSpec] = field(default_factory=list)
+    checks: ChecksSpec = field(default_factory=ChecksSpec)
+
+    def __post_init__(self) -> None:
+        if self.max_duration_s <= 0:
+            raise ValueError(f"max_duration_s must be positive (got {self.max_duration_s})")
+        ids = set(self.learners.ids())
+        for i, fault in enumerate(self.faults):
+            if fault.kind in LEARNER_FAULTS and fault.target not in ids | {"random"}:
+                raise ValueError(f"faults.{i}.target {fault.target!r} is not a learner of "
+                                 f"this experiment ({', '.join(sorted(ids))} or 'random')")
+            if fault.kind in NETWORK_FAULTS and not self.proxy:
+                raise ValueError(f"faults.{i}.kind {fault.kind!r} needs proxy = true")
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file; `ConfigError` names key and line."""
+    experiment = load(Experiment, path)
+    if not experiment.name:
+        raise ConfigError(f"{path}: name must not be empty")
+    return experiment
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of the fault timeline."""
+
+    at_s: float
+    fault: FaultSpec
+    target: str
+    heal: bool
+    # Occurrence number of this fault spec, to pair inject and heal.
+    occurrence: int
+
+
+def schedule(experiment: Experiment) -> list[Action]:
+    """The concrete timeline of injections and heals, the same for the same seed."""
+    rng = random.Random(experiment.seed)
+    horizon = experiment.max_duration_s
+    actions: list[Action] = []
+    for fault in experiment.faults:
+        for n, start in enumerate(_occurrences(fault, horizon, rng)):
+            target = fault.target
+            if target == "random":
+                target = ("coordinator" if fault.kind == "kill_coordinator"
+                          else rng.choice(experiment.learners.ids()))
+            if fault.kind == "adversary":
+                target = f"adversary-{n}"
+            actions.append(Action(start, fault, target, heal=False, occurrence=n))
+            actions.append(Action(start + fault.duration_s, fault, target, heal=True,
+                                  occurrence=n))
+    return sorted(actions, key=lambda a: (a.at_s, a.heal))
+
+
+def _occurrences(fault: FaultSpec, horizon: float, rng: random.Random) -> list[float]:
+    if fault.at_s is not None:
+        return [fault.at_s]
+    times: list[float] = []
+    t = 0.0
+    limit = fault.count or 10_000
+    while len(times) < limit:
+        t += fault.every_s if fault.every_s is not None else rng.expovariate(
+            1.0 / (fault.mtbf_s or 1.0))
+        if t >= horizon:
+            break
+        times.append(t)
+    return times

@@ -1,0 +1,345 @@
+"""Running a chaos experiment on local processes (the `process` backend).
+
+Starts the coordinator, a fault-injecting proxy per learner and the
+learners, plays the seeded fault timeline against them, shows a live view,
+and stops everything it started — also on Ctrl-C or its own crash. Every
+process writes its own JSONL event log; the harness logs its faults and
+process starts/exits, then merges all of them into `events.jsonl`, the one
+history the checkers and the report read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from chaos.experiment import Action, Experiment, schedule
+from chaos.local import CoordinatorProcess
+from chaos.proxy import ThreadedProxy
+from protos.events import EventLog
+
+_PROGRESS = re.compile(r" step (\d+) loss (\S+)")
+
+
+@dataclass
+class LearnerSlot:
+    """One learner of the run, across its restarts."""
+
+    learner_id: str
+    shard: int
+    log: Path
+    process: subprocess.Popen[str] | None = None
+    proxy: ThreadedProxy | None = None
+    state: str = "starting"
+    step: int = 0
+    # Steps done before the current process started (it was restarted).
+    step_base: int = 0
+    loss: str = "-"
+    exit_codes: list[int] = field(default_factory=list)
+    straggler: threading.Event | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class ProcessCluster:
+    """The topology of one experiment, as local processes."""
+
+    def __init__(self, experiment: Experiment, out: Path) -> None:
+        self.experiment = experiment
+        self.out = out
+        self.events = EventLog(str(out / "harness.events.jsonl"), source="harness")
+        spec = experiment.coordinator
+        args = ["--event-log", str(out / "coordinator.events.jsonl")]
+        if spec.mode == "sync":
+            args += ["--sync-mode", str(experiment.learners.count)]
+        else:
+            args += ["--min-quorum", str(spec.min_quorum)]
+        for key, value in spec.settings.items():
+            args += ["--set", f"{key}={value}"]
+        self.coordinator = CoordinatorProcess(state_dir=out / "state", args=args)
+        self.coordinator_up = False
+        self.learners = [LearnerSlot(lid, i, out / f"{lid}.events.jsonl")
+                         for i, lid in enumerate(experiment.learners.ids())]
+        self.adversaries: list[subprocess.Popen[str]] = []
+
+    # -- processes -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.coordinator.start()
+        self.coordinator_up = True
+        self._started("coordinator", "coordinator", self.coordinator.process)
+        for slot in self.learners:
+            if self.experiment.proxy:
+                slot.proxy = ThreadedProxy(self.coordinator.address)
+                slot.proxy.start()
+            self.start_learner(slot, self.experiment.learners.steps)
+
+    def learner_address(self, slot: LearnerSlot) -> str:
+        return f"127.0.0.1:{slot.proxy.port}" if slot.proxy else self.coordinator.address
+
+    def start_learner(self, slot: LearnerSlot, steps: int) -> None:
+        spec = self.experiment.learners
+        command = [
+            sys.executable, "-m", "learner", "--coordinator", self.learner_address(slot),
+            "--learner-id", slot.learner_id, "--task", spec.task, "--size", spec.size,
+            "--shard", str(slot.shard), "--num-shards", str(spec.count),
+            "--steps", str(steps), "--sync-every", str(spec.sync_every),
+            "--fragments", str(spec.fragments), "--overlap", str(spec.overlap),
+            "--compression", spec.compression, "--threads", str(spec.threads),
+            "--seed", str(self.experiment.seed), "--progress-every", "10",
+            "--event-log", str(slot.log), *spec.args]
+        if self.experiment.coordinator.mode == "sync":
+            command.append("--lockstep")
+        slot.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec.threads)})
+        slot.state = "running"
+        self._started("learner", slot.learner_id, slot.process)
+        threading.Thread(target=self._follow, args=(slot, slot.process), daemon=True).start()
+
+    def _follow(self, slot: LearnerSlot, process: subprocess.Popen[str]) -> None:
+        """Track a learner's progress lines and keep its output in a file."""
+        assert process.stdout is not None
+        with open(self.out / f"{slot.learner_id}.out", "a") as keep:
+            for line in process.stdout:
+                keep.write(line)
+                match = _PROGRESS.search(line)
+                if match:
+                    slot.step = slot.step_base + int(match.group(1))
+                    slot.loss = match.group(2)
+        code = process.wait()
+        self.events.emit("process_exit", name=slot.learner_id, code=code, pid=process.pid)
+        if process is slot.process:
+            slot.exit_codes.append(code)
+            if slot.state == "running":
+                slot.state = "done" if code == 0 else f"exited {code}"
+
+    def _started(self, role: str, name: str, process: subprocess.Popen[str] | None) -> None:
+        self.events.emit("process_start", role=role, name=name,
+                         pid=process.pid if process else None)
+
+    # -- faults ------------------------------------------------------------------
+
+    def apply(self, action: Action) -> None:
+        fault, target = action.fault, action.target
+        kind = fault.kind
+        slot = next((s for s in self.learners if s.learner_id == target), None)
+        detail = ""
+        if kind in ("kill_learner", "pause_learner", "straggle") and slot is not None and (
+                slot.process is None or (not action.heal and not slot.running)):
+            self.events.emit("fault_skipped", fault=kind, target=target,
+                             reason=f"learner is {slot.state}")
+            return
+        if kind == "kill_learner" and slot is not None:
+            if not action.heal:
+                assert slot.process is not None
+                slot.state = "killed"
+                slot.process.kill()
+            else:
+                slot.step_base = slot.step
+                remaining = max(self.experiment.learners.steps - slot.step, 1)
+                detail = f"restarted for {remaining} steps"
+                self.start_learner(slot, remaining)
+        elif kind in ("pause_learner", "straggle") and slot is not None:
+            assert slot.process is not None
+            if kind == "straggle" and not action.heal:
+                slot.straggler = threading.Event()
+                threading.Thread(target=_duty_cycle, args=(slot.process, fault.duty,
+                                                           slot.straggler), daemon=True).start()
+                slot.state = "straggling"
+            elif kind == "straggle":
+                if slot.straggler is not None:
+                    slot.straggler.set()
+                slot.state = "running" if slot.running else slot.state
+            elif not action.heal:
+                slot.process.send_signal(signal.SIGSTOP)
+                slot.state = "paused"
+            else:
+                slot.process.send_signal(signal.SIGCONT)
+                slot.state = "running" if slot.running else slot.state
+        elif kind == "kill_coordinator":
+            if not action.heal:
+                self.coordinator.kill()
+                self.coordinator_up = False
+            else:
+                self.coordinator.start()
+                self.coordinator_up = True
+                self._started("coordinator", "coordinator", self.coordinator.process)
+        elif kind == "adversary":
+            if not action.heal:
+                self._start_adversary(target, fault.adversary, fault.duration_s)
+        elif slot is not None and slot.proxy is not None:
+            detail = self._network(slot, kind, action.heal, fault.latency_ms,
+                                   fault.bandwidth_bytes_s)
+        self.events.emit("fault", fault=kind, target=target,
+                         action="heal" if action.heal else "inject", detail=detail)
+
+    def _network(self, slot: LearnerSlot, kind: str, heal: bool, latency_ms: float,
+                 bandwidth: int) -> str:
+        proxy = slot.proxy
+        assert proxy is not None
+        if kind == "partition_learner":
+            if heal:
+                proxy.heal()
+                slot.state = "running" if slot.running else slot.state
+            else:
+                proxy.partition()
+                slot.state = "partitioned"
+            return ""
+        if kind == "latency":
+            proxy.set_latency(0 if heal else latency_ms)
+            return "" if heal else f"{latency_ms:g} ms"
+        if kind == "bandwidth":
+            proxy.set_bandwidth(None if heal else bandwidth)
+            return "" if heal else f"{bandwidth} B/s"
+        if not heal:
+            proxy.reset_connections()
+        return ""
+
+    def _start_adversary(self, name: str, kinds: list[str], duration_s: float) -> None:
+        spec = self.experiment.learners
+        process = subprocess.Popen(
+            [sys.executable, "-m", "chaos.adversary", "--coordinator", self.coordinator.address,
+             "--learner-id", name, "--task", spec.task, "--size", spec.size,
+             "--fragments", str(spec.fragments), "--kinds", ",".join(kinds),
+             "--duration", str(duration_s),
+             "--event-log", str(self.out / f"{name}.events.jsonl")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+        self.adversaries.append(process)
+        self._started("adversary", name, process)
+
+    # -- the end ----------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """Every learner has run out of steps (none down waiting for a restart)."""
+        return all(s.state == "done" or s.state.startswith("exited") for s in self.learners)
+
+    def stop(self, reason: str, grace_s: float = 60.0) -> None:
+        """Stop everything started, politely first; safe to call more than once."""
+        for slot in self.learners:
+            if slot.straggler is not None:
+                slot.straggler.set()
+            if slot.proxy is not None:
+                slot.proxy.heal()
+            if slot.running:
+                assert slot.process is not None
+                slot.process.send_signal(signal.SIGCONT)
+                slot.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in [s.process for s in self.learners if s.process] + self.adversaries:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if not self.coordinator_up and self.coordinator.process is not None:
+            with contextlib.suppress(Exception):
+                self.coordinator.start()  # bring it back so its state is read cleanly
+        self.coordinator.stop()
+        self.coordinator_up = False
+        for slot in self.learners:
+            if slot.proxy is not None:
+                slot.proxy.stop()
+                slot.proxy = None
+        self.events.emit("run_end", reason=reason)
+        self.events.close()
+
+
+def _duty_cycle(process: subprocess.Popen[str], duty: float, done: threading.Event,
+                period_s: float = 0.1) -> None:
+    """SIGSTOP/SIGCONT a process so it runs `duty` of each period: a straggler."""
+    try:
+        while not done.is_set() and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            done.wait(duty * period_s)
+            if done.is_set():
+                break
+            process.send_signal(signal.SIGSTOP)
+            done.wait((1 - duty) * period_s)
+    except ProcessLookupError:
+        pass
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+
+
+def run_cluster(experiment: Experiment, out: Path,
+                on_tick: Callable[[ProcessCluster, float, Action | None], None] | None = None,
+                ) -> ProcessCluster:
+    """Start the topology, play the timeline, stop; returns the stopped cluster."""
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = ProcessCluster(experiment, out)
+    actions = schedule(experiment)
+    cluster.events.emit("run_start", experiment=experiment.name, seed=experiment.seed,
+                        mode=experiment.coordinator.mode,
+                        learners=experiment.learners.ids(),
+                        fragments=experiment.learners.fragments)
+    reason = "crash"
+    try:
+        cluster.start()
+        started = time.monotonic()
+        while True:
+            elapsed = time.monotonic() - started
+            while actions and actions[0].at_s <= elapsed:
+                cluster.apply(actions.pop(0))
+            if on_tick is not None:
+                on_tick(cluster, elapsed, actions[0] if actions else None)
+            if cluster.finished:
+                reason = "learners finished"
+                break
+            if elapsed >= experiment.max_duration_s:
+                reason = "max_duration_s reached"
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        raise
+    finally:
+        cluster.stop(reason)
+    return cluster
+
+
+def live_view(console: Console) -> tuple[Live, Callable[[ProcessCluster, float,
+                                                          Action | None], None]]:
+    """A rich Live display and the tick callback that refreshes it."""
+    live = Live(console=console, auto_refresh=False)
+    last = [0.0]
+
+    def tick(cluster: ProcessCluster, elapsed: float, upcoming: Action | None) -> None:
+        if elapsed - last[0] < 0.5:
+            return
+        last[0] = elapsed
+        table = Table(title=f"{cluster.experiment.name}  t={elapsed:.0f}s", expand=False)
+        for column in ("learner", "state", "step", "loss"):
+            table.add_column(column)
+        for slot in cluster.learners:
+            table.add_row(slot.learner_id, slot.state, str(slot.step), slot.loss)
+        versions = "coordinator down"
+        if cluster.coordinator_up:
+            try:
+                status = cluster.coordinator.status(timeout=1)
+                versions = "versions " + " ".join(
+                    f"{f.fragment}:{f.version}" for f in status.fragments)
+            except Exception:  # a status poll racing a restart
+                versions = "coordinator not answering"
+        nxt = (f"next: {upcoming.fault.kind} {'heal' if upcoming.heal else 'inject'} "
+               f"{upcoming.target} at {upcoming.at_s:.0f}s" if upcoming else "no more faults")
+        live.update(Group(table, versions, nxt), refresh=True)
+
+    return live, tick

@@ -1,0 +1,61 @@
+"""One chaos run from start to verdict: validate, run, merge, check, report.
+
+This is what `ftsync-chaos run EXPERIMENT.toml` does; the exit code is 0
+only when every check passed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+
+from chaos.checkers import CheckConfig, run_all
+from chaos.experiment import load_experiment
+from chaos.history import load_log, write_events
+from chaos.report import write_report
+from chaos.runner import live_view, run_cluster
+from coordinator.config import ConfigError
+
+
+def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
+    console = Console()
+    try:
+        experiment = load_experiment(path)
+    except ConfigError as exc:
+        console.print(f"[red]ftsync-chaos: {exc}[/red]")
+        return 2
+    out = out or Path("runs") / experiment.name
+    if out.exists():
+        shutil.rmtree(out)
+    console.print(f"running [bold]{experiment.name}[/bold] ({experiment.learners.count} "
+                  f"learners, {len(experiment.faults)} fault specs, seed {experiment.seed}); "
+                  f"output in {out}/")
+    try:
+        if live:
+            display, tick = live_view(console)
+            with display:
+                run_cluster(experiment, out, tick)
+        else:
+            run_cluster(experiment, out)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: every process was stopped[/yellow]")
+        return 130
+    log = load_log(sorted(out.glob("*.events.jsonl")))
+    events = log.events
+    write_events(events, out / "events.jsonl")
+    checks = experiment.checks
+    results = run_all(events, CheckConfig(
+        max_blocked_s=checks.max_blocked_s or None, min_goodput=checks.min_goodput,
+        min_uptime=checks.min_uptime, loss_must_drop=checks.loss_must_drop,
+        window_s=checks.window_s))
+    report = write_report(events, results, out, experiment.name, window_s=checks.window_s,
+                          skipped=log.skipped)
+    for result in results:
+        mark = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+        console.print(f"  {mark} {result.name}: {result.message}")
+    passed = all(r.passed for r in results)
+    console.print(f"\n{'all checks passed' if passed else 'some checks FAILED'}; "
+                  f"report: {report}")
+    return 0 if passed else 1

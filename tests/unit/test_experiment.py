@@ -1,0 +1,114 @@
+"""Experiment files: validation with key and line, and the seeded fault timeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos.experiment import load_experiment, schedule
+from coordinator.config import ConfigError
+
+EXPERIMENTS = sorted(Path(__file__).parents[2].joinpath("experiments").glob("*.toml"))
+
+BASE = """\
+name = "t"
+seed = 4
+max_duration_s = 100
+
+[learners]
+count = 3
+"""
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "exp.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_experiment(path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_shipped_experiments_load(path: Path) -> None:
+    experiment = load_experiment(path)
+    assert experiment.name == path.stem
+    assert schedule(experiment)
+
+
+def test_the_shipped_set_is_complete() -> None:
+    assert {p.stem for p in EXPERIMENTS} >= {
+        "quickstart", "quickstart-sync", "learner-storm", "stragglers", "partition",
+        "adversarial", "coordinator-restart"}
+
+
+@pytest.mark.parametrize(("fault", "needles"), [
+    ('kind = "explode"\nat_s = 1', ["faults.0.kind", "must be one of", "line 9"]),
+    ('kind = "kill_learner"', ["exactly one of at_s, every_s or mtbf_s", "line 9"]),
+    ('kind = "kill_learner"\nat_s = 1\nevery_s = 2', ["exactly one of", "line 9"]),
+    ('kind = "kill_learner"\ntarget = "learner-9"\nat_s = 1',
+     ["faults.0.target 'learner-9' is not a learner", "line 10"]),
+    ('kind = "straggle"\nat_s = 1\nduty = 1.5', ["faults.0.duty", "(0, 1)", "line 11"]),
+    ('kind = "adversary"\nat_s = 1\nadversary = ["nan", "flood"]',
+     ["adversary kinds ['flood'] unknown", "line 11"]),
+    ('kind = "kill_coordinator"\ntarget = "learner-1"\nat_s = 1',
+     ["target of kill_coordinator must be 'coordinator'"]),
+    ('kind = "latency"\nat_s = 1\nlatency_ms = "slow"', ["faults.0.latency_ms must be float",
+                                                          "line 11"]),
+    ('kind = "kill_learner"\nat_s = 1\nwhen = 3', ["unknown key 'faults.0.when'", "line 11"]),
+])
+def test_bad_fault_names_key_and_line(tmp_path: Path, fault: str, needles: list[str]) -> None:
+    message = error_of(tmp_path, BASE + "\n[[faults]]\n" + fault + "\n")
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_a_later_fault_table_is_located(tmp_path: Path) -> None:
+    text = (BASE + '\n[[faults]]\nkind = "kill_learner"\nat_s = 1\n'
+            '\n[[faults]]\nkind = "pause_learner"\nat_s = -3\n')
+    message = error_of(tmp_path, text)
+    assert "at_s must be positive" in message and "line 14" in message, message
+
+
+def test_network_faults_need_the_proxy(tmp_path: Path) -> None:
+    text = BASE.replace('name = "t"', 'name = "t"\nproxy = false') + (
+        '\n[[faults]]\nkind = "partition_learner"\nat_s = 1\n')
+    assert "needs proxy = true" in error_of(tmp_path, text)
+
+
+def test_other_sections_are_checked_too(tmp_path: Path) -> None:
+    assert "learners.count must be at least 1" in error_of(
+        tmp_path, BASE.replace("count = 3", "count = 0"))
+    assert "coordinator.mode must be one of" in error_of(
+        tmp_path, BASE + '\n[coordinator]\nmode = "eventual"\n')
+    assert "unknown key 'chekcs'" in error_of(tmp_path, BASE + "\n[chekcs]\nmin_uptime = 1\n")
+
+
+def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_experiment(tmp_path / "absent.toml")
+    assert "line 2" in error_of(tmp_path, 'name = "t"\nseed = = 3\n')
+
+
+def test_schedule_is_seeded_and_pairs_every_injection_with_a_heal(tmp_path: Path) -> None:
+    text = BASE + ('\n[[faults]]\nkind = "kill_learner"\nmtbf_s = 10\nduration_s = 4\n'
+                   '\n[[faults]]\nkind = "pause_learner"\nevery_s = 30\ncount = 2\n')
+    path = tmp_path / "exp.toml"
+    path.write_text(text)
+    first, again = schedule(load_experiment(path)), schedule(load_experiment(path))
+    assert first == again
+    path.write_text(text.replace("seed = 4", "seed = 5"))
+    assert schedule(load_experiment(path)) != first
+    injections = [a for a in first if not a.heal]
+    heals = [a for a in first if a.heal]
+    assert len(injections) == len(heals)
+    for action in injections:
+        heal = next(h for h in heals if h.fault is action.fault
+                    and h.occurrence == action.occurrence)
+        assert heal.at_s == action.at_s + action.fault.duration_s
+        assert heal.target == action.target
+        assert action.target in {"learner-0", "learner-1", "learner-2"}
+    pauses = [a for a in injections if a.fault.kind == "pause_learner"]
+    assert [a.at_s for a in pauses] == [30.0, 60.0]
+    assert all(a.at_s < 100 for a in injections)
+    assert [a.at_s for a in first] == sorted(a.at_s for a in first)
