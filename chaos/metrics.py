@@ -13,8 +13,10 @@ time allocated.
   its steps took (from the learner's first `push_invoke` of that id) and P
   the number of fragments: each step's work is split across the P fragments,
   so a contribution of one fragment carries 1/P of its steps' time.
-- Allocated: per learner slot, from its first `process_start` to `run_end`,
-  or to its last `process_exit` (or `kill_learner`) when no start follows —
+- Allocated: per learner slot, from its first `join` (the initial start-up —
+  interpreter, imports, data — is the same for every method and no fault's
+  doing; a *restart* after a kill counts in full) to `run_end`, or to its
+  last `process_exit` (or `kill_learner`) when no start follows —
   a learner that finished or was removed for good stops counting. Time the
   learner spent down, paused or partitioned in between counts: it was
   allocated and produced nothing. A learner the harness never started (no
@@ -147,6 +149,9 @@ def allocations(events: Sequence[Event]) -> dict[str, tuple[float, float]]:
             if own:
                 result[learner] = (own[0], own[-1])
             continue
+        joins = [e.t for e in events if e.source == learner and e.kind == "join"]
+        if joins and joins[0] > start and (stopped is None or joins[0] < stopped):
+            start = joins[0]
         result[learner] = (start, stopped if stopped is not None else max(run_end, start))
     return result
 

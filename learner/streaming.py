@@ -133,9 +133,13 @@ class FragmentSync:
         self._loop.create_task(self._heartbeats(), name="heartbeats")
 
     def close(self, reason: str = "done", flush_timeout: float = 30.0) -> None:
-        """Send what is queued (within the timeout), leave, stop the loop."""
+        """Push the work not yet pushed, send what is queued (within the
+        timeout), leave, stop the loop."""
         if not self._thread.is_alive():
             return
+        for p, state in enumerate(self.fragments):
+            if state.steps > 0:
+                self._push(p)
         self._stopping = True
         try:
             self._run(self._close(reason, flush_timeout), flush_timeout + 10)

@@ -524,6 +524,17 @@ def test_goodput_counts_a_killed_learners_downtime_until_its_restart() -> None:
     assert metrics.allocations(log.events())["l1"] == (0.0, 16.0)
 
 
+def test_allocation_starts_at_the_first_join_but_counts_restarts_in_full() -> None:
+    log, _ = goodput_log()
+    log.learner(3.0, "l1", "join", run_id="r", versions={})
+    assert metrics.allocations(log.events())["l1"] == (3.0, 20.0)
+    # A restart's start-up is the fault's cost: from the kill on, it is all allocated.
+    log.fault(8.0, "kill_learner", "l1")
+    log.harness(9.0, "process_start", role="learner", name="l1", pid=3)
+    log.learner(11.0, "l1", "join", run_id="r", versions={})
+    assert metrics.allocations(log.events())["l1"] == (3.0, 20.0)
+
+
 def test_uptime_on_a_known_log() -> None:
     # Span: first commit (5) to last train (15) = 10 s, windows [5,7) [7,9) [9,11) [11,13)
     # [13,15]; commits at 5, 7, 13 advance windows 0, 1, 4: 6 s of 10.
