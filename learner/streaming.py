@@ -51,6 +51,8 @@ class _FragmentState:
     tokens: int = 0
     steps: int = 0
     since: float = field(default_factory=time.monotonic)
+    # The runtime's total blocked time when `since` was taken.
+    blocked_at_since: float = 0.0
     apply_at: int | None = None
     pending: Future[Pulled | None] | None = None
 
@@ -103,6 +105,8 @@ class FragmentSync:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ftsync-client",
                                         daemon=True)
         self._sends: asyncio.Queue[_Outgoing] | None = None
+        # Time the training loop spent waiting for merges (lock-step only): not work.
+        self._blocked_s = 0.0
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------
@@ -177,9 +181,11 @@ class FragmentSync:
         state = self.fragments[p]
         current = self.read(p)
         now = time.monotonic()
+        work_s = now - state.since - (self._blocked_s - state.blocked_at_since)
         item = _Outgoing(p, state.base - current, state.base_version, state.tokens,
-                         state.steps, self.local_step, now - state.since)
-        state.base, state.tokens, state.steps, state.since = current, 0, 0, now
+                         state.steps, self.local_step, work_s)
+        state.base, state.tokens, state.steps = current, 0, 0
+        state.since, state.blocked_at_since = now, self._blocked_s
         assert self._sends is not None
         self._loop.call_soon_threadsafe(self._enqueue, item)
         if state.pending is None:
@@ -203,7 +209,9 @@ class FragmentSync:
         if not state.pending.done():
             if not self.settings.lockstep:
                 return False
+            waited_from = time.monotonic()
             concurrent.futures.wait([state.pending])
+            self._blocked_s += time.monotonic() - waited_from
         pending, state.pending, state.apply_at = state.pending, None, None
         try:
             pulled = pending.result()
@@ -219,7 +227,7 @@ class FragmentSync:
         state.base = pulled.values
         state.base_version = pulled.version
         state.tokens = state.steps = 0
-        state.since = time.monotonic()
+        state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
         self.applied_versions[p] = pulled.version
         self.client.events.emit("applied", learner=self.client.learner_id, fragment=p,
                                 version=pulled.version, step=self.local_step)
