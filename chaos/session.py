@@ -7,6 +7,7 @@ only when every check passed.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -20,11 +21,11 @@ from coordinator.config import ConfigError
 
 
 def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
-    console = Console()
+    console = Console(soft_wrap=True)
     try:
         experiment = load_experiment(path)
     except ConfigError as exc:
-        console.print(f"[red]ftsync-chaos: {exc}[/red]")
+        print(f"ftsync-chaos: {exc}", file=sys.stderr)
         return 2
     out = out or Path("runs") / experiment.name
     if out.exists():

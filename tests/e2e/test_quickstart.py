@@ -1,0 +1,35 @@
+"""The README's main job, exactly as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quickstart_experiment_passes_its_checks_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "quickstart"
+    result = subprocess.run(
+        [sys.executable, "-m", "chaos", "run", "experiments/quickstart.toml", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all checks passed" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(check["passed"] for check in summary["checks"])
+    for name in ("report.md", "loss.png", "versions.png", "goodput.png", "events.jsonl"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    assert "kill_learner" in report and "straggle" in report and "adversary" in report
+
+
+def test_a_bad_experiment_file_stops_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\n\n[[faults]]\nkind = "kill_learner"\nat_s = 1\nevry_s = 3\n')
+    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(bad), "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "unknown key 'faults.0.evry_s'" in result.stderr and "line 6" in result.stderr
+    assert not (tmp_path / "out").exists()
