@@ -76,6 +76,7 @@ class ProcessCluster:
         self.learners = [LearnerSlot(lid, i, out / f"{lid}.events.jsonl")
                          for i, lid in enumerate(experiment.learners.ids())]
         self.adversaries: list[subprocess.Popen[str]] = []
+        self._skipped: set[tuple[int, int]] = set()
 
     # -- processes -------------------------------------------------------------
 
@@ -140,9 +141,14 @@ class ProcessCluster:
         kind = fault.kind
         slot = next((s for s in self.learners if s.learner_id == target), None)
         detail = ""
+        # A fault on a learner that is not running (down, done) is skipped, and
+        # so is its heal: healing it would start a second process for the slot.
+        occurrence = (id(fault), action.occurrence)
         if kind in ("kill_learner", "pause_learner", "straggle") and slot is not None and (
-                slot.process is None or (not action.heal and not slot.running)):
+                occurrence in self._skipped or (not action.heal and not slot.running)):
+            self._skipped.add(occurrence)
             self.events.emit("fault_skipped", fault=kind, target=target,
+                             action="heal" if action.heal else "inject",
                              reason=f"learner is {slot.state}")
             return
         if kind == "kill_learner" and slot is not None:

@@ -1,0 +1,1024 @@
+"""The simulator's discrete-event engine: chips, failures, and the real policy.
+
+`chaos.simulator` calls `run_once` for one configuration and one seed. Three
+methods share the failure model:
+
+- **ftsync**: chips split into M learners, each a data-parallel group that
+  streams fragments on the learner's schedule (`learner.streaming.offsets`)
+  to a synchronizer whose decisions — admission, staleness, quorum, grace
+  window, round close, manifests, liveness — come from the production
+  policy core (`coordinator.policy.Policy`), fed the same calls in the same
+  order as the daemon's engine feeds it, under a simulated clock. A failed
+  learner restarts (start-up, join, catch-up); an elastic one drops the chip,
+  re-forms, and takes the chip back when it is repaired. The learner side
+  mirrors `learner.streaming.FragmentSync`: a pull per push, applied τ steps
+  later, which overwrites (and so loses) the work since the push.
+- **dp**: one synchronous data-parallel job on every chip; any failure stops
+  it until it is restarted.
+- **elastic-dp**: one job that drops a failed chip and re-forms without it.
+
+To replay a chaos experiment, learners can also share a host's cores (the
+harness runs every process on one machine) and follow the harness's kill and
+heal timeline.
+
+Failures are aggregate processes: a group of c live chips fails at rate
+c / mtbf_chip_s, so a month on millions of chips costs one event per
+failure, not one object per chip. Per-chip state exists only where a
+quantity is per chip — speed factors, when speeds vary — and lives in numpy
+arrays.
+
+Goodput and uptime are counted as `chaos.metrics` counts them from a real
+run's events: a merged contribution carries its steps' learner time divided
+by P; a learner slot is allocated from its first join to its final exit (or
+to the kill that left it down at the end); uptime is the share of windows,
+from the first commit of a version >= 1 to the last training step, in which
+some fragment committed. Time is weighted by chips.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from chaos.sim_scenario import Scenario
+from coordinator.errors import Reason, Rejected
+from coordinator.policy import Admission, ContributionId, Offer, Policy
+from learner.streaming import offsets
+
+# A kill of the replayed timeline: (time, learner index).
+Kill = tuple[float, int]
+
+# Order of events at equal times: a step applies merged fragments before it
+# pushes (as `FragmentSync.step` does); everything else comes after.
+_APPLY, _STEP, _OTHER = 0, 1, 2
+
+# Group states.
+STARTING, CATCHUP, RUNNING, REFORMING, FINISHING, DOWN, DONE = (
+    "starting", "catchup", "running", "reforming", "finishing", "down", "done")
+_ALIVE = {STARTING, CATCHUP, RUNNING, REFORMING, FINISHING}
+
+
+@dataclass(frozen=True)
+class Result:
+    """One configuration's outcome (averaged over its replicas)."""
+
+    label: str
+    method: str
+    chips: int
+    learners: int
+    elastic: bool
+    min_quorum: int
+    goodput: float
+    uptime: float
+    # Merged chip-steps at nominal chip speed per allocated chip-second:
+    # goodput discounted by waiting on slow chips.
+    throughput: float
+    useful_chip_s: float
+    allocated_chip_s: float
+    run_s: float
+    failures: float
+    commits: float
+    contributions: float = 0.0
+    merged: float = 0.0
+    dropped: dict[str, float] = field(default_factory=dict)
+    lost_in_flight: float = 0.0
+    replicas: int = 1
+    goodput_sd: float = 0.0
+    uptime_sd: float = 0.0
+    events: int = 0
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def combine(results: Sequence[Result]) -> Result:
+    """Replicas of one configuration: means (and spreads) of their figures, the
+    events and compute time summed."""
+    first = results[0]
+    n = len(results)
+
+    def mean(key: str) -> float:
+        return sum(float(getattr(r, key)) for r in results) / n
+
+    def sd(key: str) -> float:
+        if n < 2:
+            return 0.0
+        mu = mean(key)
+        return math.sqrt(sum((float(getattr(r, key)) - mu) ** 2 for r in results) / (n - 1))
+
+    dropped: dict[str, float] = {}
+    for r in results:
+        for reason, count in r.dropped.items():
+            dropped[reason] = dropped.get(reason, 0.0) + count / n
+    return Result(
+        label=first.label, method=first.method, chips=first.chips, learners=first.learners,
+        elastic=first.elastic, min_quorum=first.min_quorum, goodput=mean("goodput"),
+        uptime=mean("uptime"), throughput=mean("throughput"),
+        useful_chip_s=mean("useful_chip_s"), allocated_chip_s=mean("allocated_chip_s"),
+        run_s=mean("run_s"), failures=mean("failures"), commits=mean("commits"),
+        contributions=mean("contributions"), merged=mean("merged"), dropped=dropped,
+        lost_in_flight=mean("lost_in_flight"), replicas=n, goodput_sd=sd("goodput"),
+        uptime_sd=sd("uptime"), events=sum(r.events for r in results),
+        wall_s=sum(r.wall_s for r in results))
+
+
+def run_once(scenario: Scenario, seed: int, kills: Sequence[Kill] | None = None) -> Result:
+    """Simulate the scenario's own configuration once with `seed`."""
+    started = time.perf_counter()
+    if scenario.method == "ftsync":
+        result = _FtsyncRun(scenario, seed, kills).run()
+    elif kills is not None:
+        raise ValueError("a replayed kill timeline needs method 'ftsync' (one learner per slot)")
+    else:
+        result = _data_parallel(scenario, seed)
+    return _with_wall(result, time.perf_counter() - started)
+
+
+def _with_wall(result: Result, wall_s: float) -> Result:
+    fields = result.as_dict()
+    fields["wall_s"] = wall_s
+    return Result(**fields)
+
+
+# -- chips -----------------------------------------------------------------------------
+
+
+class _Chips:
+    """Per-chip speed factors exp(σ·Z) and liveness, kept only when σ > 0."""
+
+    def __init__(self, n: int, sigma: float, rng: random.Random, seed: int) -> None:
+        self.sigma = sigma
+        self.rng = rng
+        if sigma > 0:
+            gen = np.random.default_rng(seed)
+            self.speed = np.exp(sigma * gen.standard_normal(n))
+            self.alive = np.ones(n, dtype=bool)
+
+    def slowest_of(self, starts: Sequence[int]) -> list[float]:
+        """The slowest factor of each group [starts[i], starts[i+1])."""
+        if self.sigma == 0:
+            return [1.0] * len(starts)
+        return [float(x) for x in np.maximum.reduceat(self.speed, np.asarray(starts))]
+
+    def slowest(self, lo: int, hi: int) -> float:
+        if self.sigma == 0:
+            return 1.0
+        alive = self.alive[lo:hi]
+        return float(self.speed[lo:hi][alive].max()) if alive.any() else 1.0
+
+    def pick(self, lo: int, hi: int) -> int:
+        """A uniformly random live chip of [lo, hi) (-1 when speeds don't vary)."""
+        if self.sigma == 0:
+            return -1
+        while True:
+            i = lo + int(self.rng.random() * (hi - lo))
+            if self.alive[i]:
+                return i
+
+    def remove(self, i: int, slow: float, lo: int, hi: int) -> float:
+        """Chip i leaves its group; the group's new slowest factor."""
+        if self.sigma == 0:
+            return 1.0
+        self.alive[i] = False
+        return self.slowest(lo, hi) if self.speed[i] >= slow else slow
+
+    def renew(self, i: int, slow: float, lo: int, hi: int) -> float:
+        """Chip i is replaced by new hardware (a new speed) and is live."""
+        if self.sigma == 0:
+            return 1.0
+        old, was_alive = float(self.speed[i]), bool(self.alive[i])
+        new = math.exp(self.sigma * self.rng.gauss(0.0, 1.0))
+        self.speed[i] = new
+        self.alive[i] = True
+        if was_alive and old >= slow:
+            return self.slowest(lo, hi)
+        return max(slow, new)
+
+
+# -- uptime ----------------------------------------------------------------------------
+
+
+def _uptime(commits: np.ndarray, start: float, end: float, window_s: float) -> float:
+    """chaos.metrics.uptime over commit times: windows of the span with a commit."""
+    if commits.size == 0:
+        return 0.0
+    if end <= start:
+        return 1.0
+    n = math.ceil((end - start) / window_s)
+    inside = commits[(commits >= start) & (commits <= end)]
+    index = np.minimum(((inside - start) / window_s).astype(np.int64), n - 1)
+    hit = np.zeros(n, dtype=bool)
+    hit[index] = True
+    lengths = np.full(n, window_s)
+    lengths[-1] = end - (start + (n - 1) * window_s)
+    return float(lengths[hit].sum() / (end - start))
+
+
+# -- ftsync ----------------------------------------------------------------------------
+
+
+class _Fragment:
+    """A learner's view of one fragment (FragmentSync's `_FragmentState`)."""
+
+    __slots__ = ("apply_at", "base_version", "deadline", "pending", "ready_t", "ready_v",
+                 "since_step", "since_w")
+
+    def __init__(self, base_version: int, since_w: float) -> None:
+        self.base_version = base_version
+        # Where the next contribution's work is counted from (chip-seconds, step).
+        self.since_w = since_w
+        self.since_step = 0
+        # An outstanding pull: applied at step >= apply_at once it is ready.
+        self.pending = False
+        self.apply_at = 0
+        self.ready_t = -1.0
+        self.ready_v = -1
+        self.deadline = 0.0
+
+
+class _Group:
+    """One data-parallel group of chips: a learner slot across its restarts."""
+
+    def __init__(self, index: int, lid: str, lo: int, hi: int, slow: float) -> None:
+        self.index = index
+        self.lid = lid
+        self.lo, self.hi = lo, hi
+        self.nominal = hi - lo
+        self.active = self.nominal
+        self.slow = slow
+        self.state = DOWN
+        # Bumped when the process dies: its in-flight pushes and pulls are void.
+        self.incarnation = 0
+        # Bumped whenever the step clock stops or changes pace: scheduled steps are void.
+        self.clock = 0
+        self.fail_token = 0
+        self.reform_token = 0
+        # Chips dropped by an elastic group and not yet back (their indices).
+        self.removed: list[int] = []
+        # A timed phase (start-up, catch-up, final eval, exit): `phase_left`
+        # seconds of work at full speed remain as of `phase_t`, then `phase_fn`.
+        self.phase_fn: Callable[[float, _Group], None] | None = None
+        self.phase_left = 0.0
+        self.phase_t = 0.0
+        self.phase_token = 0
+        # Step clock: step k completes at anchor_t + (k - anchor_step)·step_s
+        # (anchor_step is fractional after a change of pace mid-step).
+        self.anchor_t = 0.0
+        self.anchor_step = 0.0
+        self.step_s = 1.0
+        self.local_step = 0
+        self.end_step = -1
+        self.slot_done = 0
+        # Work (chip-seconds of wall time) accrued at rate w_rate since w_t.
+        self.w = 0.0
+        self.w_t = 0.0
+        self.w_rate = 0.0
+        self.frags: list[_Fragment] = []
+        self.next_seq = 1
+        self.hb_t = -math.inf
+        self.first_join: float | None = None
+        self.stopped_at: float | None = None
+        # When the learner last reported progress (a `train` event).
+        self.last_train_t: float | None = None
+
+    def work(self, t: float) -> float:
+        return self.w + self.w_rate * (t - self.w_t)
+
+    def set_rate(self, t: float, rate: float) -> None:
+        self.w = self.work(t)
+        self.w_t = t
+        self.w_rate = rate
+
+    def steps_at(self, t: float) -> int:
+        if self.state != RUNNING:
+            return self.local_step
+        return int(self.anchor_step + (t - self.anchor_t) / self.step_s + 1e-9)
+
+    def time_of(self, k: int) -> float:
+        return self.anchor_t + (k - self.anchor_step) * self.step_s
+
+    def first_step_from(self, t: float) -> int:
+        return math.ceil(self.anchor_step + max(t - self.anchor_t, 0.0) / self.step_s - 1e-9)
+
+
+class _FtsyncRun:
+    def __init__(self, scenario: Scenario, seed: int, kills: Sequence[Kill] | None) -> None:
+        s = scenario
+        self.s = s
+        self.rng = random.Random(seed)
+        cluster, training = s.cluster, s.training
+        self.chips = _Chips(cluster.chips, cluster.speed_sigma, self.rng, seed)
+        m = cluster.learners
+        size, extra = divmod(cluster.chips, m)
+        starts = [i * size + min(i, extra) for i in range(m)]
+        ends = [*starts[1:], cluster.chips]
+        slow = self.chips.slowest_of(starts)
+        self.groups = [_Group(i, f"learner-{i}", lo, hi, slow[i])
+                       for i, (lo, hi) in enumerate(zip(starts, ends, strict=True))]
+        self.P = training.fragments
+        self.H = training.sync_every
+        self.tau = training.overlap
+        self.offsets = offsets(self.H, self.P)
+        self.policy = Policy(s.policy, {p: -1 for p in range(self.P)})
+        self.hb_period = s.policy.heartbeat_timeout_s / 2
+        # Share of a core each busy learner process gets (host.cores > 0 only).
+        self.speed = 1.0
+        self.published = [-1] * self.P
+        self.waiters: list[list[tuple[_Group, int, float]]] = [[] for _ in range(self.P)]
+        # Accepted, not yet merged: (learner, fragment, seq) -> (chip-seconds, chip-steps).
+        self.accepted: dict[tuple[str, int, int], tuple[float, int]] = {}
+        self.joined: dict[int, _Group] = {}
+        self.initialized = False
+        self.kills = kills
+        self.heap: list[tuple[float, int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self.seq = 0
+        self.events = 0
+        self.timer_at = math.inf
+        self.ended = False
+        self.run_end = s.duration_s
+        self.commit_times = array("d")
+        self.useful = 0.0
+        self.useful_steps = 0.0
+        self.failures = 0
+        self.contributions = 0
+        self.merged = 0
+        self.lost_in_flight = 0
+        self.dropped: dict[str, float] = {}
+
+    # -- the event loop ----------------------------------------------------------------
+
+    def at(self, t: float, order: int, fn: Callable[..., None], *args: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, order, self.seq, fn, args))
+
+    def run(self) -> Result:
+        s = self.s
+        offset = s.failures.replay_offset_s if self.kills is not None else 0.0
+        for g in self.groups:
+            self._process_start(offset, g, s.failures.first_startup_s)
+        for t, index in self.kills or ():
+            self.at(t, _OTHER, self._kill_event, index)
+        self.at(offset + s.duration_s, _OTHER, self._end)
+        heap = self.heap
+        while heap:
+            t, _, _, fn, args = heapq.heappop(heap)
+            self.events += 1
+            fn(t, *args)
+        return self._result()
+
+    # -- timed phases and the shared host ----------------------------------------------
+
+    def _after(self, t: float, g: _Group, seconds: float,
+               fn: Callable[[float, _Group], None]) -> None:
+        """Run fn after `seconds` of the process's work (longer while it shares
+        the host's cores); a kill or another phase cancels it."""
+        g.phase_token += 1
+        g.phase_fn, g.phase_left, g.phase_t = fn, seconds, t
+        self.at(t + seconds / self.speed, _OTHER, self._phase_done, g, g.phase_token)
+
+    def _phase_done(self, t: float, g: _Group, token: int) -> None:
+        fn = g.phase_fn
+        if token != g.phase_token or fn is None:
+            return
+        g.phase_fn = None
+        fn(t, g)
+
+    def _busy_changed(self, t: float) -> None:
+        """A learner process started or stopped: every busy one changes pace."""
+        host = self.s.host
+        if host.cores <= 0:
+            return
+        busy = sum(1 for g in self.groups if g.state in _ALIVE)
+        speed = min(1.0, host.cores / max(busy + host.background, 1e-9))
+        if speed == self.speed:
+            return
+        old, self.speed = self.speed, speed
+        for g in self.groups:
+            if g.phase_fn is not None:
+                g.phase_left -= (t - g.phase_t) * old
+                g.phase_t = t
+                g.phase_token += 1
+                self.at(t + max(g.phase_left, 0.0) / speed, _OTHER, self._phase_done, g,
+                        g.phase_token)
+            if g.state == RUNNING:
+                self._repace(t, g)
+
+    def _repace(self, t: float, g: _Group) -> None:
+        """The step clock goes on from t at a new pace (host share or slowest chip)."""
+        g.anchor_step += (t - g.anchor_t) / g.step_s
+        g.anchor_t = t
+        g.step_s = self.s.training.step_s * g.slow / self.speed
+        g.clock += 1
+        self._reschedule(g)
+
+    # -- a learner's life ---------------------------------------------------------------
+
+    def _process_start(self, t: float, g: _Group, startup_s: float) -> None:
+        g.state = STARTING
+        g.stopped_at = None
+        g.local_step = 0
+        self._arm_failure(t, g)
+        sigma = self.s.failures.startup_sigma
+        if sigma > 0:
+            startup_s *= math.exp(sigma * self.rng.gauss(0.0, 1.0))
+        self._after(t, g, startup_s, self._join)
+        self._busy_changed(t)
+
+    def _join(self, t: float, g: _Group) -> None:
+        g.state = CATCHUP
+        if g.first_join is None:
+            g.first_join = t
+        g.next_seq = self.policy.join(g.lid, t, self.tau)
+        g.hb_t = t
+        self.joined[g.index] = g
+        if not self.initialized:
+            # The first learner in pushes every fragment's initial value.
+            for p in range(self.P):
+                self.policy.initialize(p, g.lid, g.next_seq)
+                g.next_seq += 1
+                self.published[p] = 0
+            self.initialized = True
+        g.set_rate(t, g.active if self.s.training.catchup_is_work else 0.0)
+        w = g.work(t)
+        g.frags = [_Fragment(self.published[p], w) for p in range(self.P)]
+        self._after(t, g, self.s.failures.catchup_s, self._begin)
+
+    def _begin(self, t: float, g: _Group) -> None:
+        steps = self.s.training.steps
+        g.end_step = max(steps - g.slot_done, 1) if steps else -1
+        if self.ended:
+            g.end_step = 0
+            self._finish(t, g)
+        else:
+            self._run_clock(t, g)
+
+    def _run_clock(self, t: float, g: _Group) -> None:
+        """(Re)start the step clock at t: steps at the pace of the slowest chip."""
+        g.state = RUNNING
+        g.clock += 1
+        g.anchor_t = t
+        g.anchor_step = float(g.local_step)
+        g.step_s = self.s.training.step_s * g.slow / self.speed
+        g.set_rate(t, g.active)
+        self._reschedule(g)
+
+    def _reschedule(self, g: _Group) -> None:
+        """Schedule the next step event and the outstanding applies afresh."""
+        self._next_step(g)
+        for p, f in enumerate(g.frags):
+            if f.pending and f.ready_t >= 0:
+                self._schedule_apply(g, p)
+
+    def _next_step(self, g: _Group) -> None:
+        """Schedule the next step at which a fragment is due (or the last step)."""
+        cur, h = g.local_step, self.H
+        k = min(t_p + h * max(1, (cur - t_p) // h + 1) for t_p in self.offsets)
+        if g.end_step >= 0:
+            k = min(k, g.end_step)
+        self.at(g.time_of(k), _STEP, self._step, g, g.clock, k)
+
+    def _step(self, t: float, g: _Group, clock: int, k: int) -> None:
+        if clock != g.clock:
+            return
+        g.local_step = k
+        self._trained(g, k)
+        h = self.H
+        for p, t_p in enumerate(self.offsets):
+            if k > t_p and (k - t_p) % h == 0:
+                self._push(t, g, p, k, pull=True)
+        if k == g.end_step:
+            self._finish(t, g)
+        else:
+            self._next_step(g)
+
+    def _push(self, t: float, g: _Group, p: int, k: int, pull: bool) -> None:
+        f = g.frags[p]
+        w = g.work(t)
+        work, steps = w - f.since_w, k - f.since_step
+        f.since_w, f.since_step = w, k
+        if pull and f.pending and f.ready_t < 0 and t > f.deadline:
+            f.pending = False  # the pull timed out empty-handed
+        if steps > 0 and work > 0:
+            seq = g.next_seq
+            g.next_seq += 1
+            offer = Offer(ContributionId(g.lid, p, seq, f.base_version),
+                          c_tokens=steps * g.active, c_steps=steps, local_step=k)
+            self.contributions += 1
+            try:  # the header: refused before any bytes move
+                self._admit(t, g, offer)
+            except Rejected as rejected:
+                self._drop(rejected)
+            else:
+                self.at(t + self.s.training.push_s, _OTHER, self._arrive, g, g.incarnation,
+                        offer, work)
+        if pull and not f.pending:
+            f.pending = True
+            f.apply_at = k + self.tau
+            f.ready_t = -1.0
+            if self.published[p] > f.base_version:
+                f.ready_t = t + self.s.training.pull_s
+                f.ready_v = self.published[p]
+                self._schedule_apply(g, p)
+            else:
+                f.deadline = t + self.s.training.pull_wait_s
+                self.waiters[p].append((g, g.incarnation, f.deadline))
+
+    def _schedule_apply(self, g: _Group, p: int) -> None:
+        if g.state != RUNNING:
+            return  # applied once the clock runs again
+        f = g.frags[p]
+        k = max(f.apply_at, g.first_step_from(f.ready_t), g.local_step + 1)
+        if g.end_step < 0 or k <= g.end_step:
+            self.at(g.time_of(k), _APPLY, self._apply, g, g.clock, p, k)
+
+    def _apply(self, t: float, g: _Group, clock: int, p: int, k: int) -> None:
+        f = g.frags[p]
+        if clock != g.clock or not f.pending or f.ready_t < 0:
+            return
+        f.pending = False
+        f.ready_t = -1.0
+        if f.ready_v > f.base_version:
+            # The merged values overwrite the fragment: work since the push is gone.
+            f.base_version = f.ready_v
+            f.since_w = g.work(t)
+            f.since_step = k
+
+    def _trained(self, g: _Group, k: int) -> None:
+        """The learner reports progress every progress_every steps (uptime's span
+        ends at the last report)."""
+        reported = k // self.s.training.progress_every * self.s.training.progress_every
+        if reported > 0 and g.state == RUNNING:
+            g.last_train_t = max(g.last_train_t or 0.0, g.time_of(reported))
+
+    def _finish(self, t: float, g: _Group) -> None:
+        """Out of steps (or told to stop): final eval, flush, leave, exit."""
+        self._trained(g, g.local_step)
+        self._count_steps(g)
+        g.state = FINISHING
+        g.clock += 1
+        self._after(t, g, self.s.training.finish_s, self._flush)
+
+    def _flush(self, t: float, g: _Group) -> None:
+        for p in range(self.P):
+            self._push(t, g, p, g.local_step, pull=False)
+        g.set_rate(t, 0.0)
+        self.at(t + self.s.training.push_s, _OTHER, self._leave, g, g.incarnation)
+
+    def _leave(self, t: float, g: _Group, incarnation: int) -> None:
+        if incarnation != g.incarnation:
+            return
+        self._heartbeat(t, g)
+        self.policy.leave(g.lid)
+        if self.joined.get(g.index) is g:
+            del self.joined[g.index]
+        self._coordinate(t)
+        self._after(t, g, self.s.training.exit_s, self._exit)
+
+    def _exit(self, t: float, g: _Group) -> None:
+        g.state = DONE
+        g.stopped_at = t
+        g.incarnation += 1
+        if self.ended:
+            self.run_end = max(self.run_end, t)
+        elif all(other.state == DONE for other in self.groups):
+            self.ended = True  # every slot ran out of steps: the harness stops
+            self.run_end = t
+        self._busy_changed(t)
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _arm_failure(self, t: float, g: _Group) -> None:
+        g.fail_token += 1
+        if self.kills is not None or g.active == 0:
+            return
+        rate = g.active / self.s.failures.mtbf_chip_s
+        self.at(t + self.rng.expovariate(rate), _OTHER, self._fail, g, g.fail_token)
+
+    def _fail(self, t: float, g: _Group, token: int) -> None:
+        if token != g.fail_token or self.ended or g.state not in _ALIVE:
+            return
+        if self.s.cluster.elastic and g.active > 1:
+            self._lose_chip(t, g)
+        else:
+            self._kill(t, g)
+
+    def _kill_event(self, t: float, index: int) -> None:
+        if not self.ended:
+            self._kill(t, self.groups[index])
+
+    def _kill(self, t: float, g: _Group) -> None:
+        """The learner's process dies: everything not yet pushed is lost."""
+        if g.state not in _ALIVE:
+            return  # the harness skips a kill of a learner that is down or done
+        self.failures += 1
+        if self.joined.get(g.index) is g:
+            self._heartbeat(t, g)
+            del self.joined[g.index]
+            # It stays live to the policy until its heartbeats time out.
+            self.at(t + self.s.policy.heartbeat_timeout_s + 1e-6, _OTHER, self._timer)
+        g.local_step = g.steps_at(t)
+        if g.state != FINISHING:
+            self._trained(g, g.local_step)
+            self._count_steps(g)
+        g.state = DOWN
+        g.incarnation += 1
+        g.clock += 1
+        g.fail_token += 1
+        g.phase_token += 1
+        g.phase_fn = None
+        g.set_rate(t, 0.0)
+        g.stopped_at = t
+        chip = self.chips.pick(g.lo, g.hi)
+        g.slow = self.chips.renew(chip, g.slow, g.lo, g.hi) if chip >= 0 else g.slow
+        for chip in g.removed:  # an elastic group restarted whole gets its chips back
+            g.slow = self.chips.renew(chip, g.slow, g.lo, g.hi) if chip >= 0 else g.slow
+        g.removed.clear()
+        g.active = g.nominal
+        self.at(t + self.s.failures.restart_s, _OTHER, self._heal, g.index, g.incarnation)
+        self._busy_changed(t)
+
+    def _count_steps(self, g: _Group) -> None:
+        """The harness's count of the slot's steps, from progress lines."""
+        every = self.s.training.progress_every
+        g.slot_done += g.local_step // every * every
+
+    def _heal(self, t: float, index: int, incarnation: int) -> None:
+        """The kill's heal: the harness starts the slot's learner again."""
+        g = self.groups[index]
+        if self.ended or incarnation != g.incarnation or g.state != DOWN:
+            return
+        self._process_start(t, g, self.s.failures.startup_s)
+
+    def _lose_chip(self, t: float, g: _Group) -> None:
+        """Elastic: drop the failed chip and re-form the group without it."""
+        self.failures += 1
+        chip = self.chips.pick(g.lo, g.hi)
+        g.slow = self.chips.remove(chip, g.slow, g.lo, g.hi) if chip >= 0 else g.slow
+        g.active -= 1
+        g.removed.append(chip)
+        f = self.s.failures
+        # The chip comes back repaired, started and caught up, without a pause.
+        self.at(t + f.restart_s + f.startup_s + f.catchup_s, _OTHER, self._repaired, g, chip,
+                g.incarnation)
+        if g.state == RUNNING:
+            # The interrupted step is lost; what was done before it is kept.
+            g.local_step = g.steps_at(t)
+            g.w = g.work(g.time_of(g.local_step))
+            g.w_t, g.w_rate = t, 0.0
+            g.clock += 1
+            g.state = REFORMING
+        elif g.w_rate > 0:
+            g.set_rate(t, g.active)
+        if g.state == REFORMING:
+            g.reform_token += 1
+            self.at(t + f.reform_s, _OTHER, self._reformed, g, g.reform_token)
+        self._arm_failure(t, g)
+
+    def _repaired(self, t: float, g: _Group, chip: int, incarnation: int) -> None:
+        if incarnation != g.incarnation or g.state not in _ALIVE:
+            return  # the group restarted whole (and got it back) or is gone
+        g.removed.remove(chip)
+        g.active += 1
+        g.slow = self.chips.renew(chip, g.slow, g.lo, g.hi) if chip >= 0 else g.slow
+        if g.state == RUNNING:
+            g.set_rate(t, g.active)
+            self._repace(t, g)
+        elif g.w_rate > 0:
+            g.set_rate(t, g.active)
+        self._arm_failure(t, g)
+
+    def _reformed(self, t: float, g: _Group, token: int) -> None:
+        if token != g.reform_token or g.state != REFORMING:
+            return
+        self._arm_failure(t, g)
+        if self.ended:
+            self._finish(t, g)
+        else:
+            self._run_clock(t, g)
+
+    # -- the synchronizer ------------------------------------------------------------------
+
+    def _heartbeat(self, t: float, g: _Group) -> None:
+        self.policy.heartbeat(g.lid, t, g.steps_at(t))
+        g.hb_t = t
+
+    def _rejoin(self, t: float, g: _Group) -> bool:
+        """What the client does on unknown_learner: join again."""
+        if g.state not in _ALIVE or self.groups[g.index] is not g:
+            return False
+        g.next_seq = max(g.next_seq, self.policy.join(g.lid, t, self.tau))
+        self.joined[g.index] = g
+        return True
+
+    def _refresh(self, t: float) -> None:
+        """Live learners beat every second; the policy only needs to have heard
+        one within its timeout whenever it is asked, so beat lazily."""
+        for g in self.joined.values():
+            if t - g.hb_t >= self.hb_period:
+                self._heartbeat(t, g)
+
+    def _arrive(self, t: float, g: _Group, incarnation: int, offer: Offer,
+                work: float) -> None:
+        if incarnation != g.incarnation:
+            self.lost_in_flight += 1  # the process died mid-push
+            return
+        self._refresh(t)
+        try:
+            admission = self._admit(t, g, offer)
+            self.policy.accept(admission, t)
+        except Rejected as rejected:
+            self._drop(rejected)
+            return
+        self.accepted[(offer.id.learner_id, offer.id.fragment, offer.id.seq)] = (
+            work, offer.c_tokens)
+        self._coordinate(t)
+
+    def _admit(self, t: float, g: _Group, offer: Offer) -> Admission:
+        try:
+            return self.policy.admit(offer, t)
+        except Rejected as rejected:
+            if rejected.reason != Reason.UNKNOWN_LEARNER or not self._rejoin(t, g):
+                raise
+            return self.policy.admit(offer, t)
+
+    def _drop(self, rejected: Rejected) -> None:
+        reason = rejected.reason.value
+        self.dropped[reason] = self.dropped.get(reason, 0.0) + 1
+
+    def _timer(self, t: float) -> None:
+        if t >= self.timer_at:
+            self.timer_at = math.inf
+        self._coordinate(t)
+
+    def _coordinate(self, t: float) -> None:
+        """The daemon's round timer: close what is due, wait for the next deadline."""
+        self._refresh(t)
+        policy = self.policy
+        for p in policy.due(t):
+            close = policy.close(p, t)
+            for c in close.manifest:
+                work, chip_steps = self.accepted.pop(
+                    (c.id.learner_id, c.id.fragment, c.id.seq))
+                self.useful += work / self.P
+                self.useful_steps += chip_steps / self.P
+                self.merged += 1
+            self.at(t + self.s.training.sync_s, _OTHER, self._publish, p, close.version)
+        deadline = policy.next_deadline()
+        if deadline is not None and deadline < self.timer_at:
+            self.timer_at = max(deadline, t)
+            self.at(self.timer_at, _OTHER, self._timer)
+
+    def _publish(self, t: float, p: int, version: int) -> None:
+        """The committed version is durable and served; waiting pulls get it."""
+        self.policy.record_sync_time(p, self.s.training.sync_s)
+        self.published[p] = max(self.published[p], version)
+        self.commit_times.append(t)
+        waiters, self.waiters[p] = self.waiters[p], []
+        for g, incarnation, deadline in waiters:
+            f = g.frags[p] if incarnation == g.incarnation else None
+            if f is None or not f.pending or f.ready_t >= 0 or t > deadline:
+                continue
+            f.ready_t = t + self.s.training.pull_s
+            f.ready_v = self.published[p]
+            self._schedule_apply(g, p)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def _end(self, t: float) -> None:
+        """max_duration_s: every live learner is told to stop (SIGTERM)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.run_end = t
+        for g in self.groups:
+            if g.state == RUNNING:
+                g.local_step = g.steps_at(t)
+                g.end_step = g.local_step + 1
+                g.clock += 1
+                self._reschedule(g)
+            elif g.state == STARTING:
+                g.state = DONE
+                g.stopped_at = t
+                g.incarnation += 1
+                g.phase_token += 1
+                g.phase_fn = None
+            # CATCHUP learners stop before their first step, REFORMING ones once
+            # re-formed; FINISHING ones are on their way out; DOWN ones stay down.
+        self._busy_changed(t)
+
+    def _result(self) -> Result:
+        s = self.s
+        allocated = 0.0
+        for g in self.groups:
+            if g.first_join is None:
+                continue
+            end = g.stopped_at if g.stopped_at is not None else self.run_end
+            allocated += g.nominal * max(end - g.first_join, 0.0)
+        commits = np.frombuffer(self.commit_times, dtype=np.float64)
+        last_steps = [g.last_train_t for g in self.groups if g.last_train_t is not None]
+        uptime = 0.0
+        if commits.size:
+            end = min(max(last_steps), self.run_end) if last_steps else float(commits[-1])
+            uptime = _uptime(commits, float(commits.min()), max(end, float(commits.min())),
+                             s.uptime_window_s)
+        return Result(
+            label=s.label(), method=s.method, chips=s.cluster.chips,
+            learners=s.cluster.learners, elastic=s.cluster.elastic,
+            min_quorum=s.policy.min_quorum,
+            goodput=self.useful / allocated if allocated > 0 else 0.0, uptime=uptime,
+            throughput=(self.useful_steps * s.training.step_s / allocated
+                        if allocated > 0 else 0.0),
+            useful_chip_s=self.useful, allocated_chip_s=allocated, run_s=self.run_end,
+            failures=self.failures, commits=float(commits.size),
+            contributions=self.contributions, merged=self.merged, dropped=dict(self.dropped),
+            lost_in_flight=self.lost_in_flight, events=self.events)
+
+
+# -- data parallel ---------------------------------------------------------------------
+
+
+class _Job:
+    """Book-keeping of a data-parallel job: work done, steps, failures."""
+
+    def __init__(self, s: Scenario, seed: int) -> None:
+        self.s = s
+        self.rng = random.Random(seed)
+        self.n = s.cluster.chips
+        self.chips = _Chips(self.n, s.cluster.speed_sigma, self.rng, seed)
+        self.slow = self.chips.slowest(0, self.n)
+        self.useful = 0.0  # chip-seconds of merged work
+        self.useful_steps = 0.0  # chip-steps
+        self.failures = 0
+        self.events = 0
+        self.runs: list[tuple[float, float, float]] = []  # first/last completion, step_s
+
+    def next_failure(self, t: float, active: int) -> float:
+        self.events += 1
+        return t + self.rng.expovariate(active / self.s.failures.mtbf_chip_s)
+
+    def ran(self, a: float, b: float, active: int, interrupted: bool) -> None:
+        """Steps from a to b on `active` chips; a failure at b (`interrupted`)
+        loses the step in progress (and with dp, the work since the last
+        checkpoint)."""
+        step = self.s.training.step_s * self.slow
+        done = max(b - a, 0.0) / step
+        kept = done
+        if interrupted:
+            kept = done = float(int(done + 1e-9))
+            every_s = self.s.failures.checkpoint_every_s
+            if every_s > 0 and self.s.method == "dp":
+                every = max(1, math.ceil(every_s / step))
+                kept = float(int(done) // every * every)
+        self.useful += kept * step * active
+        self.useful_steps += kept * active
+        if done >= 1:
+            self.runs.append((a + step, a + int(done + 1e-9) * step, step))
+
+    def result(self, first_join: float | None, stop: float) -> Result:
+        s = self.s
+        allocated = self.n * max(stop - first_join, 0.0) if first_join is not None else 0.0
+        return Result(
+            label=s.label(), method=s.method, chips=self.n, learners=1,
+            elastic=s.method == "elastic-dp", min_quorum=1,
+            goodput=self.useful / allocated if allocated > 0 else 0.0,
+            uptime=_dp_uptime(self.runs, s.uptime_window_s),
+            throughput=(self.useful_steps * s.training.step_s / allocated
+                        if allocated > 0 else 0.0),
+            useful_chip_s=self.useful, allocated_chip_s=allocated, run_s=s.duration_s,
+            failures=self.failures,
+            commits=float(sum(round((b - a) / step) + 1 for a, b, step in self.runs)),
+            events=self.events)
+
+
+def _data_parallel(s: Scenario, seed: int) -> Result:
+    """One job on every chip. `dp` stops on any failure until it is restarted
+    (start-up and catch-up again, where a failure starts it over); every
+    completed step is a commit."""
+    if s.method == "elastic-dp":
+        return _elastic_data_parallel(s, seed)
+    job = _Job(s, seed)
+    f, end, n = s.failures, s.duration_s, job.n
+    first_join: float | None = None
+    stopped_at: float | None = None
+    t, startup = 0.0, f.first_startup_s  # a process (re)starts at t
+    while t < end:
+        stopped_at = None
+        fail = job.next_failure(t, n)
+        join = t + startup
+        begin = join + f.catchup_s
+        if first_join is None and join < min(fail, end):
+            first_join = join
+        if fail < min(begin, end) or begin >= end:
+            if fail >= end:
+                break
+            job.failures += 1  # died starting up or catching up
+        else:
+            job.ran(begin, min(fail, end), n, interrupted=fail < end)
+            if fail >= end:
+                break
+            job.failures += 1
+            chip = job.chips.pick(0, n)
+            job.slow = job.chips.renew(chip, job.slow, 0, n) if chip >= 0 else 1.0
+        stopped_at = fail
+        t, startup = fail + f.restart_s, f.startup_s
+    return job.result(first_join, stopped_at if stopped_at is not None else end)
+
+
+def _elastic_data_parallel(s: Scenario, seed: int) -> Result:
+    """One job that drops a failed chip and re-forms without it; a failure
+    during a re-form starts the re-form again. A repaired chip (restarted,
+    started, caught up) joins again without a pause; chips lost while the job
+    starts up are just missing from it."""
+    job = _Job(s, seed)
+    f, end, n = s.failures, s.duration_s, job.n
+    active = n
+    repairs: deque[tuple[float, int]] = deque()  # (back at, chip), in order
+
+    def drop(t: float) -> None:
+        nonlocal active
+        job.failures += 1
+        chip = job.chips.pick(0, n)
+        job.slow = job.chips.remove(chip, job.slow, 0, n) if chip >= 0 else 1.0
+        active -= 1
+        repairs.append((t + f.restart_s + f.startup_s + f.catchup_s, chip))
+
+    def rejoin(t: float) -> None:
+        nonlocal active
+        while repairs and repairs[0][0] <= t:
+            _, chip = repairs.popleft()
+            active += 1
+            job.slow = job.chips.renew(chip, job.slow, 0, n) if chip >= 0 else 1.0
+
+    first_join = f.first_startup_s
+    t = first_join + f.catchup_s
+    fail = job.next_failure(0.0, active)
+    while fail < min(t, end) and active > 1:
+        drop(fail)
+        fail = job.next_failure(fail, active)
+    rejoin(t)
+    fail = job.next_failure(t, active)
+    while t < end:
+        back = repairs[0][0] if repairs else math.inf
+        if min(fail, back) >= end:
+            job.ran(t, end, active, interrupted=False)
+            break
+        if back < fail:
+            job.ran(t, back, active, interrupted=False)
+            t = back
+            rejoin(t)
+            fail = job.next_failure(t, active)
+            continue
+        job.ran(t, fail, active, interrupted=True)
+        reformed = fail
+        while True:  # re-form; a failure before it completes starts it again
+            drop(reformed)
+            started, reformed = reformed, reformed + f.reform_s
+            again = job.next_failure(started, active)
+            if again >= reformed or active <= 1:
+                break
+            reformed = again
+        t = reformed
+        rejoin(t)
+        fail = job.next_failure(t, active)
+    return job.result(first_join if first_join < end else None, end)
+
+
+def _dp_uptime(runs: Sequence[tuple[float, float, float]], window_s: float) -> float:
+    """Uptime when every step commits: windows holding a step completion, from
+    the first step to the last (chaos.metrics ends the span at the last step)."""
+    if not runs:
+        return 0.0
+    start, end = runs[0][0], runs[-1][1]
+    if end <= start:
+        return 1.0
+    n = math.ceil((end - start) / window_s)
+    marks = np.zeros(n + 1, dtype=np.int64)
+    singles: list[float] = []
+    for a, b, step in runs:
+        if step <= window_s:
+            lo = min(int((a - start) / window_s), n - 1)
+            hi = min(int((b - start) / window_s), n - 1)
+            marks[lo] += 1
+            marks[hi + 1] -= 1
+        else:
+            k = 0
+            while a + k * step <= b + 1e-9:
+                singles.append(a + k * step)
+                k += 1
+    hit = np.cumsum(marks[:n]) > 0
+    if singles:
+        index = np.minimum(((np.asarray(singles) - start) / window_s).astype(np.int64), n - 1)
+        hit[index] = True
+    lengths = np.full(n, window_s)
+    lengths[-1] = end - (start + (n - 1) * window_s)
+    return float(lengths[hit].sum() / (end - start))
