@@ -62,10 +62,21 @@ class CoordinatorProcess:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process freezes with its sockets open, as in a partition
+        that also stops its lease renewals."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> int | None:
         if self.process is None:
             return None
         if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a paused process cannot exit
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=15)

@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="lock-step baseline: quorum M learners, no grace window")
         p.add_argument("--event-log", help="append JSONL events to this file")
         p.add_argument("--prometheus-port", type=int, help="serve /metrics on this port")
+        p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="run as one replica of a highly available synchronizer")
+        p.add_argument("--replica-id", help="this replica's name (with --etcd)")
+        p.add_argument("--advertise", help="HOST:PORT learners and replicas reach this one at")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. policy.gamma=0.3")
     status.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
@@ -64,6 +68,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
         "listen": args.listen, "state_dir": args.state_dir,
         "policy.min_quorum": args.min_quorum, "event_log": args.event_log,
         "metrics.prometheus_port": args.prometheus_port,
+        "ha.replica_id": args.replica_id, "ha.advertise": args.advertise,
     }
     if args.sync_mode is not None:
         flags["policy.min_quorum"] = args.sync_mode
@@ -71,6 +76,9 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
     for key, value in flags.items():
         if value is not None:
             overrides[key] = _toml_literal(value)
+    if args.etcd is not None:
+        endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
+        overrides["ha.etcd"] = "[" + ", ".join(_toml_literal(e) for e in endpoints) + "]"
     return load(CoordinatorConfig, args.config, overrides)
 
 

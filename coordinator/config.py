@@ -84,6 +84,54 @@ class AuthConfig:
     tokens_file: str = ""
 
 
+ReplicationMode = Literal["none", "async", "sync"]
+
+
+@dataclass(frozen=True)
+class HaConfig:
+    """High availability on etcd; with no endpoints the coordinator is embedded
+    (one process, liveness from its own heartbeat table)."""
+
+    # etcd client endpoints, HOST:PORT each; empty: no etcd, no replicas.
+    etcd: tuple[str, ...] = ()
+    # Keys of this run live under /ftsync/<run>/ in etcd.
+    run: str = "default"
+    # This replica's name among the run's replicas; empty: its advertise address.
+    replica_id: str = ""
+    # HOST:PORT learners and other replicas reach this replica at; empty: the
+    # address it listens on (with the real port when listening on port 0).
+    advertise: str = ""
+    # Seconds a leader's lease lives without renewal; a leader stops committing
+    # a third of it before the lease can expire.
+    lease_ttl_s: int = 3
+    # none: standbys get nothing; async: committed versions are streamed after
+    # publishing; sync: published only once every in-sync standby has them.
+    replication: ReplicationMode = "sync"
+    # A standby that has not acknowledged a version within this is dropped
+    # from the in-sync set (and re-synchronised when it comes back).
+    replication_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for endpoint in self.etcd:
+            if not re.fullmatch(r"[^\s:,]+:\d+", endpoint):
+                raise ValueError(f"ha.etcd entries must be HOST:PORT (got {endpoint!r})")
+        if not re.fullmatch(r"[\w.-]+", self.run):
+            raise ValueError(f"ha.run must be letters, digits, '.', '_' or '-' "
+                             f"(got {self.run!r})")
+        if self.advertise and not re.fullmatch(r"[^\s:]+:\d+", self.advertise):
+            raise ValueError(f"ha.advertise must be HOST:PORT (got {self.advertise!r})")
+        if self.lease_ttl_s < 2:
+            raise ValueError(f"ha.lease_ttl_s must be at least 2 (etcd's smallest lease) "
+                             f"(got {self.lease_ttl_s})")
+        if self.replication_timeout_s <= 0:
+            raise ValueError(f"ha.replication_timeout_s must be > 0 "
+                             f"(got {self.replication_timeout_s})")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd)
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     listen: str = "127.0.0.1:50051"
@@ -100,6 +148,7 @@ class CoordinatorConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    ha: HaConfig = field(default_factory=HaConfig)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[^\s:]*:\d+", self.listen):

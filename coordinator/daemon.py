@@ -2,7 +2,9 @@
 
 `serve()` is what `ftsync-coordinator` runs: it resumes from the state
 directory, listens, prints one `listening on HOST:PORT` line (the real port,
-also when asked for port 0) and stops cleanly on SIGTERM or SIGINT.
+also when asked for port 0) and stops cleanly on SIGTERM or SIGINT. With
+`ha.etcd` set it is one replica of a highly available run (`coordinator.ha`):
+it starts as a standby, serves replication to the leader and campaigns.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import grpc
 
 from coordinator.config import CoordinatorConfig, describe
 from coordinator.engine import Engine
-from coordinator.service import AdminService, SynchronizerService
+from coordinator.ha import Replica
+from coordinator.service import AdminService, ReplicationService, SynchronizerService
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import MAX_CHUNK_BYTES
 
@@ -62,15 +65,21 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     ])
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)
+    pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine), server)
     host = config.listen.rsplit(":", 1)[0]
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}")
     await server.start()
     print(describe(config), file=sys.stderr, flush=True)
+    replica = Replica(engine, config, f"{host}:{port}") if config.ha.enabled else None
+    if replica is not None:
+        await replica.start()
     print(f"ftsync-coordinator listening on {host}:{port}", flush=True)
     try:
         await stop.wait()
     finally:
+        if replica is not None:
+            await replica.stop()
         await server.stop(grace=2.0)
         await engine.stop()

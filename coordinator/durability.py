@@ -6,7 +6,12 @@ file holds one fragment's committed version: fp32 parameters, outer-momentum,
 the per-learner merged-seq watermarks and the version's manifest, behind a
 checksummed header, written to a temporary file, fsynced and renamed into
 place. `manifests.jsonl` keeps every manifest, for the exactly-once checkers.
-Called by `coordinator.store` on each commit and at start-up.
+With high availability each record also names the epoch of the leader that
+committed it, and a standby writes the versions the leader streams to it the
+same way; where two records share a fragment and version, the one of the
+newer epoch stands (the other was written by a deposed leader and never
+published). Called by `coordinator.store` on each commit and at start-up,
+and by `coordinator.engine` for replicated versions.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class FragmentRecord:
     momentum: np.ndarray
     watermarks: dict[str, int]
     manifest: list[dict[str, Any]]
+    # Epoch of the leader that committed the version (0: no high availability).
+    epoch: int = 0
 
 
 class StateDir:
@@ -88,6 +95,7 @@ class StateDir:
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "numel": params.size,
             "watermarks": record.watermarks, "manifest": record.manifest,
+            "epoch": record.epoch,
         }).encode()
         crc = zlib.crc32(momentum.data.cast("B"),
                          zlib.crc32(params.data.cast("B"), zlib.crc32(header)))
@@ -117,8 +125,11 @@ class StateDir:
     # -- internals -------------------------------------------------------------
 
     def _append_manifest(self, record: FragmentRecord) -> None:
-        line = json.dumps({"fragment": record.fragment, "version": record.version,
-                           "manifest": record.manifest}) + "\n"
+        entry: dict[str, Any] = {"fragment": record.fragment, "version": record.version,
+                                 "manifest": record.manifest}
+        if record.epoch:  # embedded runs keep the format they always had
+            entry["epoch"] = record.epoch
+        line = json.dumps(entry) + "\n"
         with open(self.root / "manifests.jsonl", "a") as log:
             log.write(line)
             log.flush()
@@ -161,4 +172,4 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
         fragment=int(header["fragment"]), version=int(header["version"]),
         params=values[:numel].copy(), momentum=values[numel:].copy(),
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
-        manifest=list(header["manifest"]))
+        manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)))

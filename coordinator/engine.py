@@ -6,6 +6,14 @@ does the numeric and durable work through the fragment store, counts
 everything in metrics and the event log, and closes rounds when the policy
 says they are due. Every refusal is a `Rejected` raised before any state
 changes.
+
+Embedded, the engine always leads. As one replica of a highly available
+synchronizer (`coordinator.ha` drives it) it is a leader or a standby: a
+standby refuses learners with `NotLeader` naming the leader and writes the
+versions the leader replicates to it; `promote` makes it serve from its
+newest replicated state, `demote` drops everything it held as leader. A
+leader publishes a version only after the `replicate` hook returned and
+while `lease_valid()` still holds, and stamps every commit with its epoch.
 """
 
 from __future__ import annotations
@@ -18,23 +26,26 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
-from coordinator.durability import RunRecord, StateDir
-from coordinator.errors import Reason, Rejected
+from coordinator.durability import FragmentRecord, RunRecord, StateDir
+from coordinator.errors import NotLeader, Reason, Rejected
+from coordinator.membership import Membership
 from coordinator.merge import first_non_finite, norm_sq
 from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy
-from coordinator.store import FragmentStore, Published
+from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
 from protos.codec import MAX_CHUNK_BYTES, Codec, CodecError, codec_for
 from protos.events import EventLog
 
 # How often the round timer looks at liveness when no deadline is nearer.
 _TICK_S = 0.05
+
+Role = Literal["leader", "standby"]
 
 
 @dataclass
@@ -75,7 +86,8 @@ class Engine:
     """Everything the daemon does, minus gRPC."""
 
     def __init__(self, config: CoordinatorConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 membership: Membership | None = None) -> None:
         self.config = config
         self.clock = clock
         self.started_at = clock()
@@ -92,16 +104,122 @@ class Engine:
         self.policy: Policy | None = None
         self._wake = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
+        # Liveness of learners; None: the policy's own heartbeat table.
+        self.membership = membership
+        # High availability (set up by coordinator.ha); embedded, always the leader.
+        self.role: Role = "standby" if config.ha.enabled else "leader"
+        self.epoch = 0  # the epoch this replica leads in (0 embedded)
+        self.known_epoch = 0  # the newest epoch this replica has heard of
+        self.replica_id = ""
+        self.address = ""
+        self.leader_address = ""
+        self.lease_valid: Callable[[], bool] = lambda: True
+        self.replicate: Guard | None = None
+        self.on_demoted: Callable[[str], None] | None = None
+        self.on_run_created: Callable[[RunRecord], None] | None = None
+        # Standby: newest replicated (sender epoch, version) per fragment.
+        self.replicated: dict[int, tuple[int, int]] = {}
 
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
-        """Resume from the state directory, if it holds a run, and start the round timer."""
+        """Resume from the state directory, if it holds a run, and start the round timer.
+
+        A replica of a highly available run starts as a standby and resumes
+        only once it is elected (`promote`)."""
         run = self.state.load_run()
-        if run is not None:
+        if run is not None and self.role == "leader":
             versions = self._adopt(run)
             self.events.emit("resume", run_id=run.run_id, versions=versions)
+        else:
+            self.run = run
         self._timer = asyncio.create_task(self._round_timer(), name="round-timer")
+
+    # -- leadership -------------------------------------------------------------
+
+    def require_leader(self) -> None:
+        """Raise `NotLeader` unless this replica leads and its lease still holds."""
+        if self.role != "leader":
+            raise NotLeader(self.leader_address, self.known_epoch)
+        if not self.lease_valid():
+            raise NotLeader("", self.epoch)
+
+    async def promote(self, epoch: int, run: RunRecord | None) -> None:
+        """Lead from the newest state this replica holds (its state directory, or
+        `run` from etcd when it never saw one)."""
+        self.known_epoch = max(self.known_epoch, epoch)
+        self.replicated.clear()
+        run = self.state.load_run() or run
+        versions: dict[int, int] = {}
+        self.run, self.store, self.policy = None, None, None
+        if run is not None:
+            self.state.save_run(run)
+            # Reading every fragment back takes a while for a large model: not on the
+            # loop, whose lease renewals must go on.
+            versions = await asyncio.to_thread(self._adopt, run)
+        self.role, self.epoch = "leader", epoch
+        self.leader_address = self.address
+        self.events.emit("elected", replica=self.replica_id, epoch=epoch,
+                         run_id=run.run_id if run else "", versions=versions)
+        self._wake.set()
+
+    def demote(self, reason: str) -> None:
+        """Stop leading: forget open rounds and learners; standbys get resynced."""
+        if self.role != "leader":
+            return
+        self.role = "standby"
+        self.events.emit("step_down", replica=self.replica_id, epoch=self.epoch, reason=reason)
+        self.policy, self.store = None, None
+        self.leader_address = ""
+        if self.on_demoted is not None:
+            self.on_demoted(reason)
+
+    async def _publish_guard(self, record: FragmentRecord) -> None:
+        """Replicate a durable version, then make sure this replica may still publish it.
+
+        Nothing awaits between this check and the store's publish."""
+        epoch = self.epoch
+        if not self.lease_valid():
+            self.demote("lease not renewed in time")
+            raise NotLeader("", epoch)
+        try:
+            if self.replicate is not None:
+                await self.replicate(record)
+        except NotLeader as exc:
+            self.demote(f"cannot replicate version {record.version} of fragment "
+                        f"{record.fragment}: {exc.message}")
+            raise
+        if self.role != "leader" or self.epoch != epoch:
+            raise NotLeader(self.leader_address, self.known_epoch)
+        if not self.lease_valid():
+            self.demote("lease not renewed in time")
+            raise NotLeader("", epoch)
+
+    async def apply_replica(self, epoch: int, run: RunRecord, record: FragmentRecord) -> int:
+        """Write a version the leader of `epoch` streamed here; returns the newest
+        epoch this replica knows. Older epochs are refused."""
+        if epoch < self.known_epoch or (self.role == "leader" and epoch <= self.epoch):
+            raise Rejected(Reason.STALE_EPOCH,
+                           f"replication from epoch {epoch}, but this replica knows epoch "
+                           f"{max(self.known_epoch, self.epoch)}")
+        if self.role == "leader":
+            self.demote(f"a leader of epoch {epoch} replicates to this one")
+        self.known_epoch = epoch
+        if self.run != run:
+            if self.run is not None and self.run.run_id != run.run_id:
+                self.replicated.clear()
+            self.state.save_run(run)
+            self.run = run
+        last = self.replicated.get(record.fragment)
+        if last is not None and last[0] == epoch and last[1] >= record.version:
+            return self.known_epoch  # already here (a catch-up overlapping the stream)
+        await asyncio.to_thread(self.state.save_fragment, record)
+        # The leader may have changed while writing: only the newest epoch counts.
+        if epoch >= self.known_epoch:
+            self.replicated[record.fragment] = (epoch, record.version)
+        self.events.emit("replicated", fragment=record.fragment, version=record.version,
+                         epoch=record.epoch, leader_epoch=epoch)
+        return self.known_epoch
 
     async def stop(self) -> None:
         if self._timer is not None:
@@ -127,6 +245,7 @@ class Engine:
                            f"bad or missing bearer token for learner {learner_id!r}")
 
     def join(self, request: pb.JoinRequest) -> JoinResult:
+        self.require_leader()
         layout = request.layout
         numels = tuple(int(f.numel) for f in layout.fragments)
         if [f.fragment for f in layout.fragments] != list(range(len(numels))) or not numels:
@@ -144,6 +263,8 @@ class Engine:
             run = RunRecord(run_id=uuid.uuid4().hex[:12], layout_hash=layout.hash, numels=numels)
             self.state.save_run(run)
             self._adopt(run)
+            if self.on_run_created is not None:
+                self.on_run_created(run)
         assert self.run is not None and self.policy is not None
         if layout.hash != self.run.layout_hash:
             raise Rejected(Reason.LAYOUT_MISMATCH,
@@ -168,6 +289,7 @@ class Engine:
         return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq)
 
     def heartbeat(self, learner_id: str, local_step: int, backlog: int) -> list[FragmentView]:
+        self.require_leader()
         policy = self._policy()
         policy.require_member(learner_id)
         policy.heartbeat(learner_id, self.clock(), local_step)
@@ -177,6 +299,7 @@ class Engine:
         return self.views(learner_id)
 
     def leave(self, learner_id: str, reason: str) -> None:
+        self.require_leader()
         self._policy().leave(learner_id)
         self.events.emit("leave", learner=learner_id, reason=reason)
         self._wake.set()
@@ -198,6 +321,7 @@ class Engine:
     async def push(self, header: pb.PushHeader,
                    chunks: AsyncIterator[pb.PushMessage]) -> PushResult:
         """Receive one contribution (or a fragment's initial value) and fold it in."""
+        self.require_leader()
         policy, store = self._policy(), self._store()
         policy.require_member(header.learner_id)
         p = header.fragment
@@ -239,7 +363,8 @@ class Engine:
                     if header.seq < 1:
                         raise Rejected(Reason.MALFORMED,
                                        f"seq must be at least 1 (got {header.seq})")
-                    await store.initialize(p, lease.buffer, {header.learner_id: header.seq})
+                    await store.initialize(p, lease.buffer, {header.learner_id: header.seq},
+                                           self.epoch, self._guard())
                     lease.buffer = None
                     policy.initialize(p, header.learner_id, header.seq)
                     self.events.emit("init", learner=header.learner_id, fragment=p,
@@ -326,7 +451,9 @@ class Engine:
                    wait_s: float) -> Published | None:
         """The fragment if a version newer than `have_version` is published in time."""
         self._check_pull(learner_id, fragment)
-        return await self._store().wait_newer(fragment, have_version, wait_s)
+        published = await self._store().wait_newer(fragment, have_version, wait_s)
+        self.require_leader()  # it may have stepped down while the pull waited
+        return published
 
     def snapshot(self, learner_id: str) -> list[Published | None]:
         self._check_pull(learner_id, 0)
@@ -337,6 +464,7 @@ class Engine:
         self.metrics.bytes_out.add(nbytes)
 
     def _check_pull(self, learner_id: str, fragment: int) -> None:
+        self.require_leader()
         self._policy().require_member(learner_id)
         self._check_fragment(fragment)
 
@@ -351,10 +479,11 @@ class Engine:
 
     async def _round_timer(self) -> None:
         while True:
-            policy = self.policy
-            if policy is not None:
+            policy, store = self.policy, self.store
+            if policy is not None and store is not None and self.role == "leader":
                 # Fragments commit in parallel: their locks, buffers and files are separate.
-                await asyncio.gather(*(self._close(p) for p in policy.due(self.clock())))
+                await asyncio.gather(*(self._close(policy, store, p)
+                                       for p in policy.due(self.clock())))
                 deadline = policy.next_deadline()
             else:
                 deadline = None
@@ -363,17 +492,23 @@ class Engine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
 
-    async def _close(self, fragment: int) -> None:
-        policy, store = self._policy(), self._store()
+    async def _close(self, policy: Policy, store: FragmentStore, fragment: int) -> None:
         async with store.lock(fragment):
-            if fragment not in policy.due(self.clock()):
+            if policy is not self.policy or fragment not in policy.due(self.clock()):
                 return
             started = self.clock()
             close = policy.close(fragment, started)
             manifest = [{"learner": c.id.learner_id, "seq": c.id.seq,
                          "base_version": c.id.base_version, "weight": c.weight,
                          "staleness": c.staleness} for c in close.manifest]
-            await store.commit(close, manifest)
+            epoch = self.epoch
+            try:
+                await store.commit(close, manifest, epoch, self._guard())
+            except NotLeader as exc:
+                # Durable here but never published: the next leader resynchronises us.
+                self.events.emit("commit_abandoned", fragment=fragment, version=close.version,
+                                 epoch=epoch, reason=exc.message)
+                return
             sync_s = self.clock() - started
             policy.record_sync_time(fragment, sync_s)
         attrs = {"fragment": str(fragment)}
@@ -381,9 +516,10 @@ class Engine:
         self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
         self.metrics.grace.record(close.grace_s, attrs)
         self.metrics.sync_time.record(sync_s, attrs)
+        fields: dict[str, Any] = {"epoch": epoch} if self.config.ha.enabled else {}
         self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
                          quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
-                         sync_s=sync_s)
+                         sync_s=sync_s, **fields)
 
     # -- status -----------------------------------------------------------------
 
@@ -392,7 +528,9 @@ class Engine:
         response = pb.StatusResponse(
             run_id=self.run.run_id if self.run else "", uptime_s=now - self.started_at,
             min_quorum=self.config.policy.min_quorum, bytes_in=self.bytes_in,
-            bytes_out=self.bytes_out, layout_hash=self.run.layout_hash if self.run else "")
+            bytes_out=self.bytes_out, layout_hash=self.run.layout_hash if self.run else "",
+            role=self.role, epoch=self.epoch if self.role == "leader" else self.known_epoch,
+            leader=self.leader_address, replica_id=self.replica_id)
         response.rejections.update(self.rejections)
         policy, store = self.policy, self.store
         if policy is None or store is None:
@@ -430,8 +568,11 @@ class Engine:
         versions = {p: records[p].version if p in records else -1
                     for p in range(len(run.numels))}
         watermarks = {p: r.watermarks for p, r in records.items()}
-        self.policy = Policy(self.config.policy, versions, watermarks)
+        self.policy = Policy(self.config.policy, versions, watermarks, self.membership)
         return {p: v for p, v in versions.items() if v >= 0}
+
+    def _guard(self) -> Guard | None:
+        return self._publish_guard if self.config.ha.enabled else None
 
     def _policy(self) -> Policy:
         if self.policy is None:

@@ -28,6 +28,9 @@ class Reason(enum.Enum):
     NORM_BOUND = "norm_bound"
     OVERSIZE = "oversize"
     MALFORMED = "malformed"
+    # High availability: this replica is a standby, or a newer leader exists.
+    NOT_LEADER = "not_leader"
+    STALE_EPOCH = "stale_epoch"
 
 
 class Rejected(Exception):
@@ -40,3 +43,14 @@ class Rejected(Exception):
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.message}"
+
+
+class NotLeader(Rejected):
+    """This replica does not lead; `leader` is where the learner should go."""
+
+    def __init__(self, leader: str, epoch: int) -> None:
+        where = (f"leader is {leader} (epoch {epoch})" if leader
+                 else "no leader is elected yet; retry shortly")
+        super().__init__(Reason.NOT_LEADER, where)
+        self.leader = leader
+        self.epoch = epoch

@@ -1,8 +1,9 @@
 """The synchronizer's policy: a pure core, no I/O, clock injected.
 
-It decides who is live, which contributions are admitted and with what
-weight, when each fragment's open round closes, and what every committed
-version's manifest is. It never touches a socket, a file, a tensor or a
+It asks a membership (`coordinator.membership`) who is live and decides
+which contributions are admitted and with what weight, when each
+fragment's open round closes, and what every committed version's manifest
+is. It never touches a socket, a file, a tensor or a
 clock: the gRPC shell (`coordinator.service`), the chaos harness and the
 simulator feed it events with a time `now` and act on what it answers. That
 is what makes every policy test deterministic and lets the simulator run the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from coordinator.errors import Reason, Rejected
+from coordinator.membership import HeartbeatTable, Membership
 
 MergeRule = Literal["mean", "rda"]
 
@@ -153,10 +155,13 @@ class Policy:
     """Membership, admission, rounds and manifests for every fragment."""
 
     def __init__(self, config: PolicyConfig, versions: Mapping[int, int],
-                 merged_seq: Mapping[int, Mapping[str, int]] | None = None) -> None:
+                 merged_seq: Mapping[int, Mapping[str, int]] | None = None,
+                 membership: Membership | None = None) -> None:
         """`versions` maps each fragment to its committed version (-1: none yet);
-        `merged_seq` restores the per-learner watermarks after a restart."""
+        `merged_seq` restores the per-learner watermarks after a restart;
+        `membership` decides liveness (default: the embedded heartbeat table)."""
         self.config = config
+        self.membership = membership or HeartbeatTable(config.heartbeat_timeout_s)
         self._fragments = {
             p: _Fragment(version=v, round=_Round(version=v + 1),
                          merged_seq=dict((merged_seq or {}).get(p, {})))
@@ -176,15 +181,18 @@ class Policy:
         self._learners[learner_id] = _Learner(
             overlap_steps=overlap_steps or self.config.default_overlap_steps,
             joined_at=now, last_seen=now)
+        self.membership.renew(learner_id, now)
         return self._seen_seq.get(learner_id, 0) + 1
 
     def heartbeat(self, learner_id: str, now: float, local_step: int) -> None:
         learner = self._member(learner_id)
         learner.last_seen = now
+        self.membership.renew(learner_id, now)
         self._sample_step_time(learner, now, local_step)
 
     def leave(self, learner_id: str) -> None:
         self._member(learner_id).left = True
+        self.membership.drop(learner_id)
 
     def require_member(self, learner_id: str) -> None:
         """Raise `Rejected(UNKNOWN_LEARNER)` unless the learner has joined."""
@@ -193,7 +201,7 @@ class Policy:
     def is_live(self, learner_id: str, now: float) -> bool:
         learner = self._learners.get(learner_id)
         return (learner is not None and not learner.left
-                and now - learner.last_seen <= self.config.heartbeat_timeout_s)
+                and self.membership.is_live(learner_id, now))
 
     def live_learners(self, now: float) -> frozenset[str]:
         return frozenset(lid for lid in self._learners if self.is_live(lid, now))
@@ -290,6 +298,7 @@ class Policy:
         self._check_fresh(frag, offer.id)
         learner = self._member(offer.id.learner_id)
         learner.last_seen = now
+        self.membership.renew(offer.id.learner_id, now)
         self._sample_step_time(learner, now, offer.local_step)
         self._seen_seq[offer.id.learner_id] = max(
             self._seen_seq.get(offer.id.learner_id, 0), offer.id.seq)

@@ -1,8 +1,10 @@
-"""The gRPC shell: translates `Synchronizer` and `Admin` RPCs to the engine.
+"""The gRPC shell: translates `Synchronizer`, `Replication` and `Admin` RPCs to the engine.
 
 It authenticates (per-learner bearer tokens in the `authorization`
 metadata), turns protobuf into engine calls and back, and maps every
-`Rejected` to a gRPC status here, in one table. No policy lives here.
+`Rejected` to a gRPC status here, in one table. A standby's refusal also
+names the leader in the `ftsync-leader` trailing metadata, so learners can
+follow it without parsing the message. No policy lives here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from coordinator.engine import Engine, FragmentView
-from coordinator.errors import Reason, Rejected
+from coordinator.errors import NotLeader, Reason, Rejected
+from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -24,6 +27,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 # Longest a pull may wait for a newer version before answering not_modified.
 MAX_PULL_WAIT_S = 60.0
+# Trailing metadata key naming the leader in a not_leader refusal.
+LEADER_METADATA = "ftsync-leader"
 
 STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
@@ -42,6 +47,8 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.NORM_BOUND: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NOT_LEADER: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.STALE_EPOCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _FP32 = codec_named("fp32")
@@ -67,7 +74,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 run_id=result.run_id, fragments=_statuses(result.fragments),
                 heartbeat_interval_ms=config.heartbeat_interval_ms,
                 chunk_bytes=config.limits.chunk_bytes,
-                max_staleness=config.policy.max_staleness, next_seq=result.next_seq)
+                max_staleness=config.policy.max_staleness, next_seq=result.next_seq,
+                epoch=self.engine.epoch)
         return await self._call("Join", request.learner_id, context, join)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
@@ -76,7 +84,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             views = self.engine.heartbeat(request.learner_id, request.local_step,
                                           request.backlog)
             run_id = self.engine.run.run_id if self.engine.run else ""
-            return pb.HeartbeatResponse(run_id=run_id, fragments=_statuses(views))
+            return pb.HeartbeatResponse(run_id=run_id, fragments=_statuses(views),
+                                        epoch=self.engine.epoch)
         return await self._call("Heartbeat", request.learner_id, context, heartbeat)
 
     async def Leave(self, request: pb.LeaveRequest,
@@ -99,7 +108,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         async def push() -> pb.PushResponse:
             result = await self.engine.push(header, request_iterator)
             return pb.PushResponse(seq=result.seq, target_version=result.target_version,
-                                   weight=result.weight, staleness=result.staleness)
+                                   weight=result.weight, staleness=result.staleness,
+                                   epoch=self.engine.epoch)
         context_fields = {"fragment": header.fragment, "seq": header.seq,
                           "base_version": header.base_version}
         return await self._call_async("PushFragment", header.learner_id, context, push,
@@ -116,7 +126,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             await self._abort(context, "PullFragment", request.learner_id, rejected)
         if published is None:
             yield pb.PullMessage(header=pb.PullHeader(
-                fragment=request.fragment, version=request.have_version, not_modified=True))
+                fragment=request.fragment, version=request.have_version, not_modified=True,
+                epoch=self.engine.epoch))
             return
         async for message in self._stream(request.learner_id, request.fragment, published):
             yield message
@@ -130,7 +141,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             await self._abort(context, "FetchSnapshot", request.learner_id, rejected)
         for fragment, published in enumerate(snapshot):
             if published is None:
-                yield pb.PullMessage(header=pb.PullHeader(fragment=fragment, version=-1))
+                yield pb.PullMessage(header=pb.PullHeader(fragment=fragment, version=-1,
+                                                          epoch=self.engine.epoch))
                 continue
             async for message in self._stream(request.learner_id, fragment, published):
                 yield message
@@ -139,7 +151,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                       published: Published) -> AsyncIterator[pb.PullMessage]:
         yield pb.PullMessage(header=pb.PullHeader(
             fragment=fragment, version=published.version, numel=published.params.size,
-            merged_seq=published.watermarks.get(learner_id, 0)))
+            merged_seq=published.watermarks.get(learner_id, 0), epoch=self.engine.epoch))
         for message in iter_chunk_messages(published.params, _FP32, pb.PullMessage,
                                            self.engine.config.limits.chunk_bytes):
             # 4 bytes per fp32 element: reading len(chunk.data) would copy the chunk.
@@ -163,9 +175,32 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     async def _abort(self, context: Context, rpc: str, learner_id: str,
                      rejected: Rejected, **event_fields: object) -> NoReturn:
         self.engine.record_rejection(rpc, learner_id, rejected, **event_fields)
-        await context.abort(STATUS_CODES.get(rejected.reason, grpc.StatusCode.INVALID_ARGUMENT),
-                            f"{rejected.reason.value}: {rejected.message}")
-        raise AssertionError("context.abort returned")
+        await abort(context, rejected)
+
+
+async def abort(context: Context, rejected: Rejected) -> NoReturn:
+    """End the RPC with the reason's status code (and the leader, for not_leader)."""
+    if isinstance(rejected, NotLeader) and rejected.leader:
+        context.set_trailing_metadata(((LEADER_METADATA, rejected.leader),))
+    await context.abort(STATUS_CODES.get(rejected.reason, grpc.StatusCode.INVALID_ARGUMENT),
+                        f"{rejected.reason.value}: {rejected.message}")
+    raise AssertionError("context.abort returned")
+
+
+class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
+    """A standby's end of replication: each stream is one committed version."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Replicate(self, request_iterator: AsyncIterator[pb.ReplicaMessage],
+                        context: Context) -> pb.ReplicaAck:
+        try:
+            epoch, run, record = await read_replica(request_iterator)
+            known = await self.engine.apply_replica(epoch, run, record)
+        except Rejected as rejected:
+            await abort(context, rejected)
+        return pb.ReplicaAck(fragment=record.fragment, version=record.version, epoch=known)
 
 
 class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]

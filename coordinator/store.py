@@ -8,14 +8,18 @@ room rather than allocating). Published parameter arrays are never written
 again; a commit builds the next version in the accumulator's buffer and
 swaps it in, so a pull streaming the old version is never torn.
 
-Called by `coordinator.engine`; heavy numpy work runs in worker threads.
+A commit may pass a guard, awaited after the version is durable and before
+it is published: high availability replicates the version there and checks
+that this replica still leads; a guard that raises leaves the version
+unpublished. Called by `coordinator.engine`; heavy numpy work runs in
+worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,9 @@ from coordinator.config import OuterConfig
 from coordinator.durability import FragmentRecord, StateDir
 from coordinator.merge import Accumulator, outer_step
 from coordinator.policy import MergeRule, RoundClose
+
+# Awaited with each durable record before it is published; raises to stop that.
+Guard = Callable[[FragmentRecord], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -140,13 +147,15 @@ class FragmentStore:
         slot = self.slots[fragment]
         return slot.commits, slot.merged
 
-    async def initialize(self, fragment: int, values: np.ndarray,
-                         watermarks: dict[str, int]) -> Published:
+    async def initialize(self, fragment: int, values: np.ndarray, watermarks: dict[str, int],
+                         epoch: int = 0, guard: Guard | None = None) -> Published:
         """Make `values` (owned by the store from now on) version 0. Hold the lock."""
         slot = self.slots[fragment]
         momentum = np.zeros(slot.numel, dtype=np.float32)
-        record = FragmentRecord(fragment, 0, values, momentum, watermarks, [])
+        record = FragmentRecord(fragment, 0, values, momentum, watermarks, [], epoch)
         self.bytes_written += await asyncio.to_thread(self.state.save_fragment, record)
+        if guard is not None:
+            await guard(record)
         slot.momentum = momentum
         return await self._publish(slot, Published(0, values, watermarks, time.monotonic()))
 
@@ -159,7 +168,8 @@ class FragmentStore:
         slot.merged += 1
         return spare
 
-    async def commit(self, close: RoundClose, manifest: list[dict[str, Any]]) -> Published:
+    async def commit(self, close: RoundClose, manifest: list[dict[str, Any]], epoch: int = 0,
+                     guard: Guard | None = None) -> Published:
         """Merge the closed round, step the outer optimizer, write, publish. Hold the lock."""
         slot = self.slots[close.fragment]
         old = slot.published
@@ -170,15 +180,18 @@ class FragmentStore:
             watermarks[c.id.learner_id] = max(watermarks.get(c.id.learner_id, 0), c.id.seq)
         momentum = slot.momentum
 
-        def merge_and_write() -> tuple[np.ndarray, int]:
+        def merge_and_write() -> tuple[FragmentRecord, int]:
             delta = accumulator.result(close.total_weight)
             params = outer_step(self.outer, old.params, momentum, delta)
             record = FragmentRecord(close.fragment, close.version, params, momentum,
-                                    watermarks, manifest)
-            return params, self.state.save_fragment(record)
+                                    watermarks, manifest, epoch)
+            return record, self.state.save_fragment(record)
 
-        params, written = await asyncio.to_thread(merge_and_write)
+        record, written = await asyncio.to_thread(merge_and_write)
         self.bytes_written += written
+        if guard is not None:
+            await guard(record)
+        params = record.params
         slot.commits += 1
         return await self._publish(
             slot, Published(close.version, params, watermarks, time.monotonic()))

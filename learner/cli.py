@@ -2,8 +2,8 @@
 
 Prints a progress line every few steps (step, loss, tokens/s, the fragment
 versions applied, the backlog of contributions not yet merged) and, last,
-one JSON summary line. Exit codes: 0 done, 2 refused by the coordinator,
-3 coordinator unreachable.
+one JSON summary line. Exit codes: 0 done, 2 refused by the coordinator (or
+--serve-peers on an address that cannot be bound), 3 coordinator unreachable.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import grpc
 import numpy as np
 
 from learner.client import Refused, Retry, SynchronizerClient
-from learner.streaming import FragmentSync, SyncSettings
+from learner.peers import TRANSPORTS, PeerSettings
+from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         codec_named(args.compression)
         SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
+        args.peer_settings = PeerSettings(peers=tuple(args.peers), serve=args.serve_peers,
+                                          transport=args.peer_transport)
     except (CodecError, ValueError) as exc:
         parser.error(str(exc))
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftsync-learner",
                                      description="Run an ftsync learner on a built-in task.")
-    parser.add_argument("--coordinator", default="127.0.0.1:50051", help="HOST:PORT")
+    parser.add_argument("--coordinator", default="127.0.0.1:50051",
+                        help="HOST:PORT, a comma-separated list of replicas, or "
+                             "etcd://HOST:PORT[,HOST:PORT]/RUN to find the leader in etcd")
     parser.add_argument("--task", default="lm-stdlib", choices=TASK_CHOICES)
     parser.add_argument("--size", default="small", choices=["tiny", "small", "base"],
                         help="model size of lm-stdlib and digits")
@@ -71,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="extra time per step, to stand in for heavier compute")
     parser.add_argument("--dim", type=int, default=1024, help="synthetic: model size")
+    parser.add_argument("--peers", type=_addresses, action="extend", default=[],
+                        metavar="HOST:PORT[,HOST:PORT...]",
+                        help="other learners' peer addresses, to catch up from at start "
+                             "(repeatable)")
+    parser.add_argument("--serve-peers", default=None, metavar="HOST:PORT",
+                        help="serve this learner's fragments to catching-up peers here "
+                             "(port 0: any free port, printed at start)")
+    parser.add_argument("--peer-transport", default="bulk", choices=TRANSPORTS,
+                        help="how to fetch from peers: bulk (raw TCP beside gRPC) or grpc")
     parser.add_argument("--event-log", default="", help="append JSONL events here")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to keep retrying an unreachable coordinator")
@@ -78,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=0,
                         help="held-out evaluation every N steps (0: start and end only)")
     return parser
+
+
+def _addresses(value: str) -> list[str]:
+    return [address.strip() for address in value.split(",") if address.strip()]
+
+
+def _say_caught_up(learner_id: str, catch_up: CatchUp | None,
+                   peer_address: str | None) -> None:
+    if peer_address:
+        print(f"{learner_id}: serving fragments to peers on {peer_address}", flush=True)
+    if catch_up is not None:
+        peers = sum(1 for source in catch_up.sources.values() if source != "coordinator")
+        print(f"{learner_id}: caught up in {catch_up.seconds:.2f}s at versions "
+              f"{catch_up.versions} ({peers} of {len(catch_up.sources)} fragments from "
+              f"peers)", flush=True)
 
 
 @dataclass
@@ -125,6 +154,9 @@ def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
               f"{args.connect_timeout:.0f}s ({type(exc).__name__}); is ftsync-coordinator "
               f"running there, and is the address right?", file=sys.stderr)
         return 3
+    except OSError as exc:  # --serve-peers on an address in use or not local
+        print(f"ftsync-learner: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -155,12 +187,14 @@ def run_task(args: argparse.Namespace) -> int:
                       lockstep=args.lockstep,
                       compression=args.compression, token=args.token,
                       learner_id=args.learner_id, device=device, event_log=args.event_log,
-                      connect_timeout_s=args.connect_timeout)
+                      connect_timeout_s=args.connect_timeout, peers=args.peers,
+                      serve_peers=args.serve_peers, peer_transport=args.peer_transport)
     run = _Run(args.learner_id)
     _on_signals(run)
     code = _start(learner.start, args)
     if code:
         return code
+    _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
     run.eval_start = task.eval_loss(model)
     run.evals.append((0, run.eval_start))
     learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
@@ -218,12 +252,13 @@ def run_synthetic(args: argparse.Namespace) -> int:
     sync = FragmentSync(client, SyncSettings(sync_every=args.sync_every,
                                              overlap_steps=args.overlap, alpha=args.alpha,
                                              lockstep=args.lockstep),
-                        read, write)
+                        read, write, args.peer_settings)
     run = _Run(args.learner_id)
     _on_signals(run)
     code = _start(lambda: sync.start(timeout=args.connect_timeout + 30), args)
     if code:
         return code
+    _say_caught_up(args.learner_id, sync.catch_up, sync.peer_address)
     run.eval_start = task.eval_loss()
     events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
     while run.steps < args.steps and not run.stop_signal and (

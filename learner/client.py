@@ -8,6 +8,16 @@ when the coordinator comes back without it. A contribution leaves the
 outbox only as merged, or as dropped with the coordinator's reason.
 Transport failures are retried with exponential backoff and jitter.
 
+A highly available synchronizer is named by a comma-separated list of
+replica addresses or by `etcd://HOST:PORT[,HOST:PORT]/RUN` (the leader is
+read from etcd). A standby answers `not_leader` naming the leader, which
+the client follows at once; an unreachable replica sends it to the next
+one. Every answer carries the leader's epoch, and the client ignores one
+from an epoch older than it has seen (a deposed leader). After a change of
+leader the new one does not know the learner: the client joins again and
+pushes every contribution still in the outbox; the ones already merged are
+recognised by their ids and settled.
+
 Called by the learner runtime (`learner.streaming`) on its background loop.
 """
 
@@ -15,16 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from protos import discovery
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import Codec, codec_named, iter_chunk_messages
@@ -43,6 +55,21 @@ _CHANNEL_OPTIONS = [
 # Codes worth retrying: the coordinator is down, restarting or overloaded.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Trailing metadata in which a standby names the leader.
+_LEADER_METADATA = "ftsync-leader"
+# Pause before asking again when a replica redirects or no leader is known yet:
+# an election is under way, so short and not growing.
+_REDIRECT_S = (0.01, 0.05)
+# Longest pause between rounds over every replica while none answers.
+_FAILOVER_BACKOFF_S = 0.1
+
+
+class _WrongReplica(Exception):
+    """The replica asked does not lead (now); `leader` is a hint where to go."""
+
+    def __init__(self, why: str, leader: str = "") -> None:
+        super().__init__(why)
+        self.leader = leader
 
 
 class Refused(Exception):
@@ -107,13 +134,12 @@ class OutboxStats:
 
 
 class SynchronizerClient:
-    """One learner's connection to one coordinator."""
+    """One learner's connection to a coordinator (or to the leader of its replicas)."""
 
     def __init__(self, address: str, learner_id: str, layout_hash: str,
                  numels: list[int], *, token: str | None = None, overlap_steps: int = 1,
                  codec: str = "fp32", retry: Retry | None = None,
                  events: EventLog | None = None, device: str = "cpu") -> None:
-        self.address = address
         self.learner_id = learner_id
         self.layout_hash = layout_hash
         self.numels = numels
@@ -123,9 +149,23 @@ class SynchronizerClient:
         self.events = events or EventLog("")
         self.device = device
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        # Made on first use, on the loop that will drive it.
-        self._channel: grpc.aio.Channel | None = None
-        self._stub_instance: pb_grpc.SynchronizerStub | None = None
+        # Replicas to try, the current one first; with etcd, found there.
+        self._etcd: tuple[list[str], str] | None = None
+        if address.startswith("etcd://"):
+            self._etcd = discovery.parse_etcd_url(address)
+            self.addresses: list[str] = []
+        else:
+            self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self._current = 0
+        # The newest leader epoch seen; answers from older epochs are ignored.
+        self.epoch = 0
+        # Made on first use, on the loop that will drive them; one per replica.
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        # Changes of replica so far: a call cancelled by one is retried.
+        self._switches = 0
+        # When each replica last failed to answer (loop time).
+        self._failed_at: dict[str, float] = {}
         self.run_id = ""
         self.chunk_bytes = 2 << 20
         self.heartbeat_interval_s = 1.0
@@ -146,8 +186,12 @@ class SynchronizerClient:
             host=socket.gethostname(), pid=os.getpid(), device=self.device,
             layout=pb.Layout(hash=self.layout_hash, fragments=[
                 pb.FragmentSpec(fragment=i, numel=n) for i, n in enumerate(self.numels)]))
-        response: pb.JoinResponse = await self._retrying(
-            lambda: self._stub.Join(request, metadata=self._metadata, timeout=10))
+        async def join_once() -> pb.JoinResponse:
+            reply: pb.JoinResponse = await self._stub.Join(request, metadata=self._metadata,
+                                                           timeout=10)
+            self._check_epoch(reply.epoch)
+            return reply
+        response = await self._retrying(join_once)
         self.run_id = response.run_id
         self.chunk_bytes = response.chunk_bytes or self.chunk_bytes
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0 or 1.0
@@ -157,14 +201,19 @@ class SynchronizerClient:
             contribution.acknowledged = False
         self._joins += 1
         self.events.emit("join", learner=self.learner_id, run_id=self.run_id,
-                         versions=dict(self.versions))
+                         versions=dict(self.versions), coordinator=self.address,
+                         epoch=response.epoch)
         return response
 
     async def heartbeat(self, local_step: int) -> None:
         request = pb.HeartbeatRequest(learner_id=self.learner_id, local_step=local_step,
                                       backlog=len(self.outbox))
-        response = await self._call(
-            lambda: self._stub.Heartbeat(request, metadata=self._metadata, timeout=5))
+        async def heartbeat_once() -> pb.HeartbeatResponse:
+            reply: pb.HeartbeatResponse = await self._stub.Heartbeat(
+                request, metadata=self._metadata, timeout=5)
+            self._check_epoch(reply.epoch)
+            return reply
+        response = await self._call(heartbeat_once)
         self._observe(response.fragments)
 
     async def leave(self, reason: str) -> None:
@@ -174,15 +223,62 @@ class SynchronizerClient:
                                    metadata=self._metadata, timeout=5)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close(grace=None)
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close(grace=None)
+
+    @property
+    def address(self) -> str:
+        """The replica this client talks to now ("" while none is known)."""
+        return self.addresses[self._current] if self.addresses else ""
 
     @property
     def _stub(self) -> pb_grpc.SynchronizerStub:
-        if self._stub_instance is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
-            self._stub_instance = pb_grpc.SynchronizerStub(self._channel)
-        return self._stub_instance
+        address = self.address
+        if not address:
+            raise _WrongReplica("no leader is known yet")
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return pb_grpc.SynchronizerStub(channel)
+
+    def _check_epoch(self, epoch: int) -> None:
+        """Ignore a deposed leader: it answers with an epoch older than one seen."""
+        if epoch < self.epoch:
+            raise _WrongReplica(f"{self.address} answered for epoch {epoch}, but epoch "
+                                f"{self.epoch} has been seen")
+        self.epoch = epoch
+
+    async def _find_leader(self, hint: str, failed: bool) -> None:
+        """Move on after a replica refused or failed: to the leader it named, to
+        the leader etcd names, or to the next address of the list."""
+        before = self.address
+        if hint:
+            if hint not in self.addresses:
+                self.addresses.append(hint)
+            self._current = self.addresses.index(hint)
+        elif self._etcd is not None:
+            leader = await _leader_from_etcd(*self._etcd)
+            if leader and leader not in self.addresses:
+                self.addresses.append(leader)
+            if leader:
+                self._current = self.addresses.index(leader)
+            elif failed and self.addresses:
+                self._current = (self._current + 1) % len(self.addresses)
+        elif self.addresses:
+            self._current = (self._current + 1) % len(self.addresses)
+        if self.address != before:
+            self.events.emit("redirect", learner=self.learner_id, source_address=before,
+                             to=self.address)
+            # Calls still waiting on the old replica (frozen, or partitioned with its
+            # connections open) are cancelled, and so retried on the new one.
+            self._switches += 1
+            old = self._channels.pop(before, None)
+            if old is not None:
+                task = asyncio.get_running_loop().create_task(old.close(grace=None))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     # -- pushes ---------------------------------------------------------------------
 
@@ -261,6 +357,7 @@ class SynchronizerClient:
 
         response: pb.PushResponse = await self._stub.PushFragment(
             messages(), metadata=self._metadata, timeout=300)
+        self._check_epoch(response.epoch)
         return response
 
     # -- pulls ----------------------------------------------------------------------
@@ -300,6 +397,7 @@ class SynchronizerClient:
             if message.WhichOneof("kind") != "header" or (only is not None
                                                           and header.fragment != only):
                 raise RuntimeError("pull stream out of order: expected a fragment header")
+            self._check_epoch(header.epoch)
             if header.not_modified:
                 return None
             if header.version >= 0:
@@ -366,12 +464,86 @@ class SynchronizerClient:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.retry.give_up_after_s
         delays = self.retry.delays()
+        # Replicas tried since the last backoff: go round them all before waiting.
+        tried = 0
         while True:
+            switches = self._switches
             try:
+                if not self.addresses and self._etcd is not None:
+                    await self._find_leader("", failed=False)
                 return await call()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling() or switches == self._switches:
+                    raise
+                # Its replica was left behind (closing its channel cancels the call).
+                if loop.time() >= give_up:
+                    raise Refused(grpc.StatusCode.UNAVAILABLE,
+                                  "the coordinator changed while the call waited") from None
+            except _WrongReplica as wrong:
+                if loop.time() >= give_up:
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"not_leader: {wrong}") from wrong
+                await self._find_leader(wrong.leader, failed=True)
+                await asyncio.sleep(random.uniform(*_REDIRECT_S))
             except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        and details.startswith("not_leader")):
+                    if loop.time() >= give_up:
+                        raise Refused(exc.code(), details) from exc
+                    leader = _leader_named(exc)
+                    await self._find_leader(leader, failed=False)
+                    # Sent back to a replica that just failed: its lease has yet to expire.
+                    recently = loop.time() - self._failed_at.get(leader, -math.inf) < 1.0
+                    await asyncio.sleep(_FAILOVER_BACKOFF_S if recently
+                                        else random.uniform(*_REDIRECT_S))
+                    continue
                 if exc.code() not in _TRANSIENT:
-                    raise Refused(exc.code(), exc.details() or "") from exc
+                    raise Refused(exc.code(), details) from exc
                 if loop.time() >= give_up:
                     raise
-                await asyncio.sleep(next(delays))
+                tried += 1
+                self._failed_at[self.address] = loop.time()
+                if len(self.addresses) > 1 or self._etcd is not None:
+                    await self._find_leader("", failed=True)
+                if tried < max(len(self.addresses), 1):
+                    await asyncio.sleep(random.uniform(*_REDIRECT_S))
+                else:
+                    tried = 0
+                    delay = next(delays)
+                    if len(self.addresses) > 1 or self._etcd is not None:
+                        # Replicas: a failover is under way, so look again soon.
+                        delay = min(delay, _FAILOVER_BACKOFF_S)
+                    await asyncio.sleep(delay)
+
+
+def _leader_named(error: grpc.aio.AioRpcError) -> str:
+    """The leader a not_leader refusal names (metadata, else the message)."""
+    metadata: Any = error.trailing_metadata() or ()
+    for key, value in metadata:
+        if key == _LEADER_METADATA and isinstance(value, str):
+            return value
+    details = error.details() or ""
+    marker = "leader is "
+    if marker in details:
+        return details.split(marker, 1)[1].split()[0]
+    return ""
+
+
+async def _leader_from_etcd(endpoints: list[str], run: str) -> str:
+    """The leader's address as etcd has it; "" when none leads or etcd is unreachable."""
+    import aetcd  # only learners that discover through etcd need it
+
+    host, _, port = endpoints[random.randrange(len(endpoints))].rpartition(":")
+    client = aetcd.Client(host=host, port=int(port), timeout=2)
+    try:
+        entry = await asyncio.wait_for(client.get(discovery.leader_key(run)), 3)
+    except (aetcd.ClientError, grpc.RpcError, TimeoutError):
+        return ""
+    finally:
+        with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
+            await asyncio.wait_for(client.close(), 2)
+    if entry is None:
+        return ""
+    return discovery.LeaderRecord.decode(entry.value, entry.create_revision).address

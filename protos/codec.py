@@ -293,7 +293,8 @@ def _chunks(values: Floats, codec: Codec, step: int) -> Iterator[ftsync_pb2.Chun
         yield ftsync_pb2.Chunk(offset=offset, count=count, scale=scale, data=data)
 
 
-StreamMessage = TypeVar("StreamMessage", ftsync_pb2.PushMessage, ftsync_pb2.PullMessage)
+StreamMessage = TypeVar("StreamMessage", ftsync_pb2.PushMessage, ftsync_pb2.PullMessage,
+                        ftsync_pb2.ReplicaMessage)
 
 
 def iter_chunk_messages(

@@ -61,20 +61,22 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., overlap_steps: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("run_id", "fragments", "heartbeat_interval_ms", "chunk_bytes", "max_staleness", "next_seq")
+    __slots__ = ("run_id", "fragments", "heartbeat_interval_ms", "chunk_bytes", "max_staleness", "next_seq", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     heartbeat_interval_ms: int
     chunk_bytes: int
     max_staleness: int
     next_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., heartbeat_interval_ms: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_staleness: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., heartbeat_interval_ms: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_staleness: _Optional[int] = ..., next_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner_id", "local_step", "backlog")
@@ -87,12 +89,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., local_step: _Optional[int] = ..., backlog: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("run_id", "fragments")
+    __slots__ = ("run_id", "fragments", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
-    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "fragment", "layout_hash", "seq", "base_version", "c_tokens", "c_steps", "local_step", "codec", "numel", "init")
@@ -141,16 +145,18 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("seq", "target_version", "weight", "staleness")
+    __slots__ = ("seq", "target_version", "weight", "staleness", "epoch")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TARGET_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     target_version: int
     weight: float
     staleness: int
-    def __init__(self, seq: _Optional[int] = ..., target_version: _Optional[int] = ..., weight: _Optional[float] = ..., staleness: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, seq: _Optional[int] = ..., target_version: _Optional[int] = ..., weight: _Optional[float] = ..., staleness: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("learner_id", "fragment", "have_version", "wait_ms")
@@ -165,18 +171,20 @@ class PullRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq")
+    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
     MERGED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
     not_modified: bool
     merged_seq: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -255,7 +263,7 @@ class FragmentInfo(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., round_learners: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., grace_left_s: _Optional[float] = ..., commits: _Optional[int] = ..., merged_contributions: _Optional[int] = ..., last_commit_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "uptime_s", "min_quorum", "learners", "fragments", "bytes_in", "bytes_out", "rejections", "layout_hash")
+    __slots__ = ("run_id", "uptime_s", "min_quorum", "learners", "fragments", "bytes_in", "bytes_out", "rejections", "layout_hash", "role", "epoch", "leader", "replica_id")
     class RejectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +280,10 @@ class StatusResponse(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     uptime_s: float
     min_quorum: int
@@ -281,4 +293,59 @@ class StatusResponse(_message.Message):
     bytes_out: int
     rejections: _containers.ScalarMap[str, int]
     layout_hash: str
-    def __init__(self, run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., min_quorum: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., layout_hash: _Optional[str] = ...) -> None: ...
+    role: str
+    epoch: int
+    leader: str
+    replica_id: str
+    def __init__(self, run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., min_quorum: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., layout_hash: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch")
+    class WatermarksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUMELS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    WATERMARKS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    leader_id: str
+    run_id: str
+    layout_hash: str
+    numels: _containers.RepeatedScalarFieldContainer[int]
+    fragment: int
+    version: int
+    numel: int
+    watermarks: _containers.ScalarMap[str, int]
+    manifest_json: str
+    commit_epoch: int
+    def __init__(self, epoch: _Optional[int] = ..., leader_id: _Optional[str] = ..., run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., numels: _Optional[_Iterable[int]] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., watermarks: _Optional[_Mapping[str, int]] = ..., manifest_json: _Optional[str] = ..., commit_epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicaMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("fragment", "version", "epoch")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    epoch: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...

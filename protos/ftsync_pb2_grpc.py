@@ -384,3 +384,81 @@ class Admin(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicationStub(object):
+    """Coordinator replicas among themselves: the leader pushes every committed
+    version to each standby, which writes it durably before acknowledging.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Replicate = channel.stream_unary(
+                '/ftsync.v1.Replication/Replicate',
+                request_serializer=protos_dot_ftsync__pb2.ReplicaMessage.SerializeToString,
+                response_deserializer=protos_dot_ftsync__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+
+
+class ReplicationServicer(object):
+    """Coordinator replicas among themselves: the leader pushes every committed
+    version to each standby, which writes it durably before acknowledging.
+    """
+
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=protos_dot_ftsync__pb2.ReplicaMessage.FromString,
+                    response_serializer=protos_dot_ftsync__pb2.ReplicaAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ftsync.v1.Replication', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ftsync.v1.Replication', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replication(object):
+    """Coordinator replicas among themselves: the leader pushes every committed
+    version to each standby, which writes it durably before acknowledging.
+    """
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ftsync.v1.Replication/Replicate',
+            protos_dot_ftsync__pb2.ReplicaMessage.SerializeToString,
+            protos_dot_ftsync__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon import Daemon
+from tests.etcd import etcd, etcd_cluster  # noqa: F401 (fixtures)
 
 
 @pytest.fixture

@@ -356,3 +356,38 @@ def test_describe_lists_every_key_without_token_values(tmp_path: Path) -> None:
         for f in dataclasses.fields(part):
             if not dataclasses.is_dataclass(getattr(part, f.name)):
                 assert f"{prefix}{f.name}" in keys
+
+
+# -- high availability -----------------------------------------------------------------------
+
+
+def test_ha_section_loads_and_is_off_by_default(tmp_path: Path) -> None:
+    assert not CoordinatorConfig().ha.enabled
+    config = load(CoordinatorConfig, write(tmp_path, """\
+        [ha]
+        etcd = ["10.0.0.1:2379", "10.0.0.2:2379"]
+        run = "exp-7"
+        replica_id = "a"
+        advertise = "10.0.1.5:50051"
+        replication = "async"
+        """))
+    assert config.ha.enabled
+    assert config.ha.etcd == ("10.0.0.1:2379", "10.0.0.2:2379")
+    assert (config.ha.run, config.ha.replica_id, config.ha.advertise) == (
+        "exp-7", "a", "10.0.1.5:50051")
+    assert config.ha.lease_ttl_s == 3 and config.ha.replication == "async"
+
+
+def test_ha_mistakes_name_the_key(tmp_path: Path) -> None:
+    text = '[ha]\netcd = ["no-port"]\n'
+    assert "ha.etcd" in error_of(tmp_path, text) and "line 2" in error_of(tmp_path, text)
+    assert "ha.replication" in error_of(tmp_path, '[ha]\nreplication = "quorum"\n')
+    assert "ha.lease_ttl_s" in error_of(tmp_path, "[ha]\nlease_ttl_s = 1\n")
+
+
+def test_etcd_flag_sets_the_endpoints() -> None:
+    from coordinator.cli import _config, _parser
+
+    args = _parser().parse_args(["--etcd", "127.0.0.1:1,127.0.0.1:2", "--replica-id", "r1"])
+    config = _config(args)
+    assert config.ha.etcd == ("127.0.0.1:1", "127.0.0.1:2") and config.ha.replica_id == "r1"

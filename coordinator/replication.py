@@ -1,0 +1,331 @@
+"""Replication of committed versions from the leader to its standbys.
+
+The leader keeps one link per standby registered in etcd. A new link first
+sends the standby every fragment's durable record (catch-up), then every
+version the leader commits, in order, each as one `Replicate` stream: a
+header, then raw fp32 chunks of the parameters followed by the momentum. A
+standby writes a version durably before acknowledging it.
+
+`replication = sync` (the default) publishes a version only once every
+in-sync standby has acknowledged it; a standby that does not within
+`replication_timeout_s`, or whose link fails, first leaves the in-sync set
+kept in etcd (written only while this leader's key stands, so a deposed
+leader cannot), and the version is published without it. A link is in sync
+once its queue has drained after catch-up. Only an in-sync replica may
+campaign to lead, so a new leader always holds every published version.
+`async` streams without waiting (a failover may lose the newest versions);
+`none` replicates nothing.
+
+Called by `coordinator.engine` through its `replicate` hook (leader side)
+and by `coordinator.service` (`read_replica`, standby side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from coordinator.config import HaConfig
+from coordinator.durability import FragmentRecord, RunRecord
+from coordinator.errors import NotLeader, Reason, Rejected
+from coordinator.etcd import Etcd, EtcdError
+from coordinator.tasks import cancel_and_wait
+from protos import discovery
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
+from protos.codec import MAX_CHUNK_BYTES, codec_named, iter_chunk_messages
+
+if TYPE_CHECKING:
+    from coordinator.engine import Engine
+
+_FP32 = codec_named("fp32")
+_CHUNK_BYTES = 4 << 20
+# Pause before a failed link dials its standby again.
+_RECONNECT_S = 0.5
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 2 * MAX_CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 2 * MAX_CHUNK_BYTES),
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
+# -- the wire format, both sides -------------------------------------------------------
+
+def replica_messages(epoch: int, leader_id: str, run: RunRecord,
+                     record: FragmentRecord) -> Iterator[pb.ReplicaMessage]:
+    """One version as a `Replicate` stream: header, parameters, momentum."""
+    numel = record.params.size
+    yield pb.ReplicaMessage(header=pb.ReplicaHeader(
+        epoch=epoch, leader_id=leader_id, run_id=run.run_id, layout_hash=run.layout_hash,
+        numels=run.numels, fragment=record.fragment, version=record.version, numel=numel,
+        watermarks=record.watermarks, manifest_json=json.dumps(record.manifest),
+        commit_epoch=record.epoch))
+    yield from iter_chunk_messages(record.params, _FP32, pb.ReplicaMessage, _CHUNK_BYTES)
+    for message in iter_chunk_messages(record.momentum, _FP32, pb.ReplicaMessage,
+                                       _CHUNK_BYTES):
+        message.chunk.offset += numel
+        yield message
+
+
+async def read_replica(
+        messages: AsyncIterator[pb.ReplicaMessage]) -> tuple[int, RunRecord, FragmentRecord]:
+    """(sender epoch, run, record) from a `Replicate` stream; `Rejected` if malformed."""
+    first = await anext(aiter(messages), None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise Rejected(Reason.MALFORMED, "a replication stream starts with a header")
+    header = first.header
+    numel = int(header.numel)
+    if header.fragment >= len(header.numels) or header.numels[header.fragment] != numel:
+        raise Rejected(Reason.BAD_SHAPE, f"fragment {header.fragment} of {numel} elements "
+                                         f"does not fit the run's layout")
+    values = np.empty(2 * numel, dtype=np.float32)
+    received = 0
+    async for message in messages:
+        chunk = message.chunk
+        if message.WhichOneof("kind") != "chunk" or chunk.offset != received:
+            raise Rejected(Reason.MALFORMED, f"replication chunk out of order at {received}")
+        if chunk.offset + chunk.count > values.size or len(chunk.data) != 4 * chunk.count:
+            raise Rejected(Reason.BAD_SHAPE, f"replication chunk at {chunk.offset} does not fit")
+        values[chunk.offset:chunk.offset + chunk.count] = np.frombuffer(chunk.data, "<f4")
+        received += chunk.count
+    if received != values.size:
+        raise Rejected(Reason.BAD_SHAPE, f"replication stream ended after {received} of "
+                                         f"{values.size} elements")
+    run = RunRecord(header.run_id, header.layout_hash, tuple(int(n) for n in header.numels))
+    record = FragmentRecord(
+        fragment=int(header.fragment), version=int(header.version),
+        params=values[:numel], momentum=values[numel:],
+        watermarks={k: int(v) for k, v in header.watermarks.items()},
+        manifest=list(json.loads(header.manifest_json or "[]")), epoch=int(header.commit_epoch))
+    return int(header.epoch), run, record
+
+
+# -- the leader's side -----------------------------------------------------------------
+
+@dataclass
+class _Item:
+    record: FragmentRecord
+    acked: asyncio.Future[None]
+
+
+@dataclass
+class _Link:
+    """The leader's stream of versions to one standby."""
+
+    replica_id: str
+    address: str
+    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    in_sync: bool = False
+    task: asyncio.Task[None] | None = None
+
+    def enqueue(self, record: FragmentRecord) -> asyncio.Future[None]:
+        acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Only in-sync links are waited on: mark the others' failures as seen.
+        acked.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.queue.put_nowait(_Item(record, acked))
+        return acked
+
+    def fail_pending(self) -> None:
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if not item.acked.done():
+                item.acked.set_exception(ConnectionError(f"standby {self.replica_id} lost"))
+
+
+class Replicator:
+    """Streams every committed version to the standbys while this replica leads."""
+
+    def __init__(self, engine: Engine, etcd: Etcd, config: HaConfig, replica_id: str,
+                 clock: Callable[[], float]) -> None:
+        self.engine = engine
+        self.etcd = etcd
+        self.config = config
+        self.replica_id = replica_id
+        self.clock = clock
+        self.epoch = 0
+        self.links: dict[str, _Link] = {}
+        self._insync_written: frozenset[str] | None = None
+        self._insync_lock = asyncio.Lock()
+        self._follow: asyncio.Task[None] | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.config.replication
+
+    async def lead(self, epoch: int) -> None:
+        """Start replicating as the leader of `epoch`: record that only this replica
+        is in sync yet, then follow the registered standbys."""
+        self.epoch = epoch
+        self._insync_written = None
+        await self._write_insync()
+        if self.mode != "none":
+            self._follow = asyncio.create_task(self._follow_standbys(), name="replication")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._follow, *(link.task for link in self.links.values()))
+        for link in self.links.values():
+            link.fail_pending()
+        self.links.clear()
+        self._follow = None
+        self.epoch = 0
+
+    def in_sync(self) -> list[str]:
+        return sorted([self.replica_id, *(r for r, link in self.links.items() if link.in_sync)])
+
+    async def replicate(self, record: FragmentRecord) -> None:
+        """The engine's publish guard: hand the version to every link; with sync
+        replication wait for the in-sync ones, dropping laggards from the set."""
+        if self.mode == "none" or not self.links:
+            return
+        # The next commit of this fragment updates the momentum in place, and a
+        # laggard may still be sending this version then.
+        record = FragmentRecord(record.fragment, record.version, record.params,
+                                record.momentum.copy(), dict(record.watermarks),
+                                record.manifest, record.epoch)
+        waits = {link.replica_id: (link, link.enqueue(record), link.in_sync)
+                 for link in list(self.links.values())}
+        if self.mode == "async":
+            return
+        pending = {r: fut for r, (_, fut, in_sync) in waits.items() if in_sync}
+        if pending:
+            await asyncio.wait(pending.values(), timeout=self.config.replication_timeout_s)
+        lagging = [waits[r][0] for r, fut in pending.items()
+                   if not fut.done() or fut.cancelled() or fut.exception() is not None]
+        for link in lagging:
+            link.in_sync = False
+            self.engine.events.emit("standby_lagging", replica=link.replica_id,
+                                    fragment=record.fragment, version=record.version)
+        if lagging:
+            await self._write_insync()
+
+    # -- internals -------------------------------------------------------------------
+
+    async def _write_insync(self) -> None:
+        """Record the in-sync set in etcd, fenced by this leader's key; a deposed
+        leader's write fails and it must not publish."""
+        async with self._insync_lock:
+            replicas = frozenset(self.in_sync())
+            if replicas == self._insync_written:
+                return
+            value = json.dumps({"epoch": self.epoch, "replicas": sorted(replicas)}).encode()
+            try:
+                written = await self.etcd.put_fenced(
+                    discovery.insync_key(self.config.run), value,
+                    discovery.leader_key(self.config.run), self.epoch)
+            except EtcdError as exc:
+                raise NotLeader("", self.epoch) from exc
+            if not written:
+                raise NotLeader("", self.epoch)
+            self._insync_written = replicas
+            self.engine.events.emit("insync", epoch=self.epoch, replicas=sorted(replicas))
+
+    async def _follow_standbys(self) -> None:
+        prefix = discovery.replicas_prefix(self.config.run)
+        while True:
+            try:
+                entries, revision = await self.etcd.get_prefix(prefix)
+            except EtcdError:
+                await asyncio.sleep(_RECONNECT_S)
+                continue
+            registered: dict[str, str] = {}
+            for entry in entries:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    data = json.loads(entry.value)
+                    registered[str(data["replica"])] = str(data["address"])
+            registered.pop(self.replica_id, None)
+            for replica_id, link in list(self.links.items()):
+                if registered.get(replica_id) != link.address:
+                    await self._drop(link)
+            for replica_id, address in registered.items():
+                old = self.links.get(replica_id)
+                if old is not None and old.task is not None and not old.task.done():
+                    continue
+                if old is not None:
+                    await self._drop(old)
+                link = _Link(replica_id, address)
+                self.links[replica_id] = link
+                link.task = asyncio.create_task(self._run_link(link),
+                                                name=f"replicate-{replica_id}")
+            with contextlib.suppress(EtcdError):
+                await self.etcd.wait_change(prefix, revision, timeout_s=1.0, prefix=True)
+
+    async def _drop(self, link: _Link) -> None:
+        await cancel_and_wait(link.task)
+        link.fail_pending()
+        self.links.pop(link.replica_id, None)
+        if link.in_sync:
+            link.in_sync = False
+            with contextlib.suppress(NotLeader):
+                await self._write_insync()
+
+    async def _run_link(self, link: _Link) -> None:
+        try:
+            async with grpc.aio.insecure_channel(link.address,
+                                                 options=_CHANNEL_OPTIONS) as channel:
+                stub = pb_grpc.ReplicationStub(channel)
+                await self._catch_up(link, stub)
+                while True:
+                    if link.queue.empty() and not link.in_sync:
+                        # Everything published so far is on the standby: it may wait on it now.
+                        link.in_sync = True
+                        self.engine.events.emit("standby_in_sync", replica=link.replica_id,
+                                                epoch=self.epoch)
+                        await self._write_insync()
+                    item = await link.queue.get()
+                    try:
+                        await self._send(stub, item.record)
+                    except BaseException as exc:
+                        if not item.acked.done():
+                            item.acked.set_exception(ConnectionError(str(exc)))
+                        raise
+                    if not item.acked.done():
+                        item.acked.set_result(None)
+        except asyncio.CancelledError:
+            raise
+        except (grpc.RpcError, ConnectionError, OSError, NotLeader) as exc:
+            self.engine.events.emit("standby_lost", replica=link.replica_id,
+                                    error=str(exc)[:200])
+            link.fail_pending()
+            if link.in_sync:
+                link.in_sync = False
+                with contextlib.suppress(NotLeader):
+                    await self._write_insync()
+            await asyncio.sleep(_RECONNECT_S)
+
+    async def _catch_up(self, link: _Link, stub: pb_grpc.ReplicationStub) -> None:
+        """Send the standby every fragment's durable record, as the link starts."""
+        run = self.engine.run
+        if run is None:
+            return
+        for fragment in range(len(run.numels)):
+            record = await asyncio.to_thread(self.engine.state.load_fragment, fragment)
+            if record is not None:
+                await self._send(stub, record)
+
+    async def _send(self, stub: pb_grpc.ReplicationStub, record: FragmentRecord) -> None:
+        run = self.engine.run
+        if run is None:
+            raise ConnectionError("no run to replicate")
+
+        async def messages() -> AsyncIterator[pb.ReplicaMessage]:
+            for message in replica_messages(self.epoch, self.replica_id, run, record):
+                yield message
+
+        try:
+            await stub.Replicate(messages(), timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The standby knows a newer epoch: this replica no longer leads.
+                raise NotLeader("", self.epoch) from exc
+            raise

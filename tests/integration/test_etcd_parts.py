@@ -1,0 +1,116 @@
+"""The etcd-facing parts on a real etcd, in process: the election (epochs,
+fencing by time, handing over) and learner membership on leases."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from chaos.etcd import EtcdCluster
+from coordinator.election import Callbacks, Election
+from coordinator.etcd import Etcd
+from coordinator.etcd_membership import EtcdMembership
+from protos import discovery
+from protos.discovery import LeaderRecord
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class Candidate:
+    def __init__(self, etcd: Etcd, name: str) -> None:
+        self.clock = Clock()
+        self.election = Election(etcd, "t", name, f"{name}:1", ttl_s=2, clock=self.clock)
+        self.elected: list[int] = []
+        self.deposed: list[str] = []
+        self.seen: LeaderRecord | None = None
+
+    def callbacks(self) -> Callbacks:
+        async def elected(epoch: int) -> None:
+            self.elected.append(epoch)
+
+        async def deposed(reason: str) -> None:
+            self.deposed.append(reason)
+
+        def seen(leader: LeaderRecord | None) -> None:
+            self.seen = leader
+
+        async def may_campaign() -> bool:
+            return True
+        return Callbacks(elected, deposed, seen, may_campaign)
+
+
+def test_election_epochs_fencing_and_handover(etcd: EtcdCluster) -> None:
+    async def scenario() -> None:
+        clients = [Etcd(etcd.endpoints), Etcd(etcd.endpoints)]
+        a, b = Candidate(clients[0], "a"), Candidate(clients[1], "b")
+        tasks = [asyncio.create_task(c.election.run_forever(c.callbacks())) for c in (a, b)]
+        await until(lambda: bool(a.elected or b.elected))
+        leader, other = (a, b) if a.elected else (b, a)
+        epoch = leader.elected[0]
+        entry, _ = await clients[0].read(discovery.leader_key("t"))
+        assert entry is not None and entry.create_revision == epoch
+        await until(lambda: other.seen is not None and other.seen.epoch == epoch)
+        assert other.seen is not None and other.seen.replica == leader.election.replica_id
+        assert leader.election.holds() and not other.election.holds()
+        # Fencing by time: once the lease could have expired, the leader may not act,
+        # whatever its renewals say later.
+        leader.clock.offset = 2.0
+        assert not leader.election.holds()
+        leader.clock.offset = 0.0
+        # Resigning revokes the lease: the other replica leads at a newer epoch.
+        leader.election.resign("test")
+        await until(lambda: bool(other.elected))
+        assert leader.deposed == ["test"] and other.elected[0] > epoch
+        await until(lambda: leader.seen is not None and leader.seen.epoch == other.elected[0])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Stopping ends the session: no leader key is left behind.
+        entry, _ = await clients[0].read(discovery.leader_key("t"))
+        assert entry is None
+        for client in clients:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_learner_leases_outlive_the_leader_and_expire_without_heartbeats(
+        etcd: EtcdCluster) -> None:
+    async def scenario() -> None:
+        client = Etcd(etcd.endpoints)
+        first = EtcdMembership(client, "t", timeout_s=2.0)
+        first.start()
+        first.renew("a", time.monotonic())
+        first.renew("b", time.monotonic())
+        assert first.is_live("a", 0.0)  # counted while its key is being written
+        await until(lambda: {"a", "b"} <= first._live)
+        # A new leader finds the same learners live, under the same leases.
+        second = EtcdMembership(client, "t", timeout_s=2.0)
+        second.start()
+        await until(lambda: {"a", "b"} <= second._live)
+        assert second._leases == first._leases
+        second.drop("b")
+        assert not second.is_live("b", 0.0)
+        await until(lambda: "b" not in first._live)
+        # Nobody renews a: its lease runs out after its 2 s.
+        await until(lambda: not first.is_live("a", 0.0) and not second.is_live("a", 0.0),
+                    timeout=6.0)
+        await first.stop()
+        await second.stop()
+        await client.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,42 @@
+"""Where learners and replicas find each other: etcd URLs, the leader record,
+the etcd channel targets, and how a learner reads a standby's redirect."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.etcd import channel_targets
+from learner.client import SynchronizerClient, _WrongReplica
+from protos.discovery import LeaderRecord, leader_key, parse_etcd_url
+
+
+def test_etcd_urls() -> None:
+    assert parse_etcd_url("etcd://127.0.0.1:2379") == (["127.0.0.1:2379"], "default")
+    assert parse_etcd_url("etcd://a:1,b:2/exp-7") == (["a:1", "b:2"], "exp-7")
+    with pytest.raises(ValueError):
+        parse_etcd_url("etcd:///run")
+    assert leader_key("exp-7") == b"/ftsync/exp-7/leader"
+
+
+def test_leader_record_takes_its_epoch_from_the_key() -> None:
+    record = LeaderRecord("r1", "10.0.0.1:50051", 0)
+    assert LeaderRecord.decode(record.encode(), 42) == LeaderRecord("r1", "10.0.0.1:50051", 42)
+    assert LeaderRecord.decode(b"garbage", 7) == LeaderRecord("", "", 7)
+
+
+def test_etcd_targets() -> None:
+    assert channel_targets(["127.0.0.1:1"]) == [("127.0.0.1", 1)]
+    # IPv4 members share one channel that fails over; named hosts go one by one.
+    assert channel_targets(["127.0.0.1:1", "127.0.0.2:2"]) == [("ipv4:127.0.0.1:1,127.0.0.2", 2)]
+    assert channel_targets(["etcd-0:1", "etcd-1:2"]) == [("etcd-0", 1), ("etcd-1", 2)]
+
+
+def test_a_learner_ignores_answers_from_an_older_epoch() -> None:
+    client = SynchronizerClient("a:1, b:2", "l0", "layout", [10])
+    assert client.addresses == ["a:1", "b:2"] and client.address == "a:1"
+    client._check_epoch(5)
+    client._check_epoch(5)
+    with pytest.raises(_WrongReplica):
+        client._check_epoch(4)
+    assert client.epoch == 5
+    assert SynchronizerClient("etcd://h:1/r", "l0", "layout", [10]).address == ""
