@@ -9,12 +9,19 @@ Training never waits on the network: pushes and pulls run on a background
 thread, and a slow or absent coordinator only grows the backlog (reported by
 `backlog` and in the event log). Pass `inner_optimizer` and
 `tokens_per_step` to have `step` called after every optimizer step instead.
+
+A learner restarting into a running run catches up from its peers: give it
+the other learners' peer addresses (`peers=[...]`), and have every learner
+serve its fragments (`serve_peers="HOST:PORT"`); `start` then loads each
+fragment from a peer holding the published version, the rest from the
+coordinator, and `catch_up` says where each came from.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -22,7 +29,8 @@ import torch
 
 from learner.client import Retry, SynchronizerClient
 from learner.fragments import FragmentPlan, FragmentView, plan_fragments
-from learner.streaming import FragmentSync, SyncSettings
+from learner.peers import PeerSettings
+from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from protos.events import EventLog
 
 
@@ -43,7 +51,11 @@ class Learner:
                  token: str | None = None,
                  learner_id: str | None = None, device: str | torch.device = "auto",
                  tokens_per_step: int | None = None, event_log: str = "",
-                 connect_timeout_s: float = 60.0, max_backlog: int = 8) -> None:
+                 connect_timeout_s: float = 60.0, max_backlog: int = 8,
+                 peers: Sequence[str] = (), serve_peers: str | None = None,
+                 peer_transport: str = "bulk") -> None:
+        peer_settings = PeerSettings(peers=tuple(peers), serve=serve_peers,
+                                     transport=peer_transport)
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.plan: FragmentPlan = plan_fragments(self.model, fragments)
@@ -58,7 +70,7 @@ class Learner:
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,
                                       alpha=alpha, max_backlog=max_backlog, lockstep=lockstep),
-            view.read, view.write)
+            view.read, view.write, peer_settings)
         self._connect_timeout_s = connect_timeout_s
         self._hook: Any = None
         if inner_optimizer is not None:
@@ -109,6 +121,16 @@ class Learner:
     @property
     def applied_versions(self) -> dict[int, int]:
         return dict(self._sync.applied_versions)
+
+    @property
+    def peer_address(self) -> str | None:
+        """Where this learner serves its fragments to peers (once started), if it does."""
+        return self._sync.peer_address
+
+    @property
+    def catch_up(self) -> CatchUp | None:
+        """How `start` loaded the model: versions, sources, seconds."""
+        return self._sync.catch_up
 
     def progress(self) -> dict[str, Any]:
         """What a progress line shows: step, versions, backlog, outbox outcomes."""

@@ -8,6 +8,12 @@ the merged fragment is applied `τ` steps later as `θ ← α·θ + (1−α)·Θ
 thread runs the gRPC client's event loop, the heartbeat and the pushes and
 pulls, through bounded queues. Parameters are seen as flat fp32 vectors
 through `read`/`write` callbacks, so numpy and torch models share this.
+
+Starting is a catch-up: join, then load every fragment at the versions the
+synchronizer publishes, from peer learners that hold exactly those versions
+(`learner.peers`) where peers are given, the rest from the coordinator. The
+learner pushes nothing before it has caught up. With `serve` set, it serves
+the merged values it holds to learners catching up, from the background loop.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from learner.client import Pulled, SynchronizerClient
+from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetch_from_peers
 
 ReadFragment = Callable[[int], np.ndarray]
 WriteFragment = Callable[[int, np.ndarray], None]
@@ -89,18 +96,38 @@ class SyncSettings:
             raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """How `start` loaded the model: the versions, where each fragment came from
+    (a peer's address or `coordinator`), and the time from start to caught up."""
+
+    versions: dict[int, int]
+    sources: dict[int, str]
+    seconds: float
+    bytes_from_peers: int
+    bytes_from_coordinator: int
+    misses: list[str] = field(default_factory=list)
+
+
 class FragmentSync:
     """Owns the background loop, the per-fragment base and the schedule."""
 
     def __init__(self, client: SynchronizerClient, settings: SyncSettings,
-                 read: ReadFragment, write: WriteFragment) -> None:
+                 read: ReadFragment, write: WriteFragment,
+                 peers: PeerSettings | None = None) -> None:
         self.client = client
         self.settings = settings
         self.read = read
         self.write = write
+        self.peers = peers or PeerSettings()
         self.local_step = 0
         self.fragments: list[_FragmentState] = []
         self.applied_versions: dict[int, int] = {}
+        # Merged values held for peers; only kept while serving them.
+        self.held: HeldFragments | None = HeldFragments() if self.peers.serve else None
+        self.peer_address: str | None = None
+        self.catch_up: CatchUp | None = None
+        self._peer_server: PeerServer | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ftsync-client",
                                         daemon=True)
@@ -108,6 +135,7 @@ class FragmentSync:
         # Time the training loop spent waiting for merges (lock-step only): not work.
         self._blocked_s = 0.0
         self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -117,24 +145,71 @@ class FragmentSync:
         self._run(self._start(), timeout)
 
     async def _start(self) -> None:
+        started = time.monotonic()
+        if self.peers.serve:
+            assert self.held is not None
+            client = self.client
+            self._peer_server = PeerServer(
+                self.held, lambda: (client.run_id, client.layout_hash), client.numels,
+                lambda: client.chunk_bytes, client.events, client.learner_id)
+            self.peer_address = await self._peer_server.start(self.peers.serve)
         response = await self.client.join()
-        for status in response.fragments:
-            if status.version < 0:
-                await self.client.push_initial(status.fragment, self.read(status.fragment))
-        snapshot: dict[int, Pulled] = {}
-        while len(snapshot) < len(self.client.numels):
-            snapshot = await self.client.snapshot()
-            if len(snapshot) < len(self.client.numels):
-                await asyncio.sleep(0.1)  # another learner is still pushing its init
+        # The published versions, read by the coordinator in one step: a consistent vector.
+        versions = {status.fragment: status.version for status in response.fragments}
+        for p, version in versions.items():
+            if version < 0:
+                await self.client.push_initial(p, self.read(p))
+        loaded: dict[int, Pulled] = {}
+        sources: dict[int, str] = {}
+        misses: list[str] = []
+
+        writing = asyncio.Lock()
+
+        async def load(p: int, pulled: Pulled, source: str) -> None:
+            # Written as it arrives, while other fragments still stream; one at a
+            # time, as the training thread would.
+            async with writing:
+                await asyncio.to_thread(self.write, p, pulled.values)
+            loaded[p], sources[p] = pulled, source
+
+        async def from_peer(fetched: Fetched) -> None:
+            await load(fetched.fragment, Pulled(fetched.fragment, fetched.version,
+                                                fetched.values, 0), fetched.source)
+
+        if self.peers.peers and min(versions.values()) >= 0:
+            report = await fetch_from_peers(
+                [a for a in self.peers.peers if a != self.peer_address], self.client.run_id,
+                self.client.layout_hash, versions, self.client.numels,
+                transport=self.peers.transport, concurrency=self.peers.concurrency,
+                idle_timeout_s=self.peers.idle_timeout_s, deliver=from_peer)
+            misses = report.misses
+        for p, pulled in (await self._from_coordinator(
+                {p: v for p, v in versions.items() if p not in loaded})).items():
+            await load(p, pulled, "coordinator")
         for p in range(len(self.client.numels)):
-            pulled = snapshot[p]
-            self.write(p, pulled.values)
-            self.fragments.append(_FragmentState(base=pulled.values.copy(),
+            pulled = loaded[p]
+            # The pulled array is never written in place, so it can be the base as it is.
+            self.fragments.append(_FragmentState(base=pulled.values,
                                                  base_version=pulled.version))
             self.applied_versions[p] = pulled.version
+            if self.held is not None:
+                self.held.applied(p, pulled.version, pulled.values)
+        self.catch_up = CatchUp(
+            versions=dict(self.applied_versions), sources=sources,
+            seconds=time.monotonic() - started,
+            bytes_from_peers=sum(4 * loaded[p].values.size for p, s in sources.items()
+                                 if s != "coordinator"),
+            bytes_from_coordinator=sum(4 * loaded[p].values.size for p, s in sources.items()
+                                       if s == "coordinator"),
+            misses=misses)
+        self.client.events.emit(
+            "catch_up", learner=self.client.learner_id, versions=self.catch_up.versions,
+            sources=sources, seconds=round(self.catch_up.seconds, 4),
+            bytes_from_peers=self.catch_up.bytes_from_peers,
+            bytes_from_coordinator=self.catch_up.bytes_from_coordinator, misses=misses[:20])
         self._sends = asyncio.Queue()
-        self._loop.create_task(self._sender(), name="sender")
-        self._loop.create_task(self._heartbeats(), name="heartbeats")
+        self._tasks = [self._loop.create_task(self._sender(), name="sender"),
+                       self._loop.create_task(self._heartbeats(), name="heartbeats")]
 
     def close(self, reason: str = "done", flush_timeout: float = 30.0) -> None:
         """Push the work not yet pushed, send what is queued (within the
@@ -155,8 +230,31 @@ class FragmentSync:
         if self._sends is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
+        if self._peer_server is not None:
+            await self._peer_server.stop()
         await self.client.leave(reason)
         await self.client.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
+        """The fragments no peer served, from the coordinator: each at its current
+        version (it keeps only the latest, so that may be newer than asked)."""
+        if not versions:
+            return {}
+        if len(versions) < len(self.client.numels):
+            pulls = await asyncio.gather(*(self.client.pull(p, v - 1, wait_s=0.0)
+                                           for p, v in versions.items()))
+            found = {pulled.fragment: pulled for pulled in pulls if pulled is not None}
+            if len(found) == len(versions):
+                return found
+        snapshot: dict[int, Pulled] = {}
+        while not all(p in snapshot for p in versions):
+            snapshot = await self.client.snapshot()
+            if not all(p in snapshot for p in versions):
+                await asyncio.sleep(0.1)  # another learner is still pushing its init
+        return {p: snapshot[p] for p in versions}
 
     # -- the training loop's side --------------------------------------------------
 
@@ -191,7 +289,20 @@ class FragmentSync:
         if state.pending is None:
             state.apply_at = self.local_step + self.settings.overlap_steps
             state.pending = asyncio.run_coroutine_threadsafe(
-                self.client.pull(p, state.base_version, self.settings.pull_wait_s), self._loop)
+                self._pull(p, state.base_version), self._loop)
+
+    async def _pull(self, p: int, have_version: int) -> Pulled | None:
+        if self.held is None:
+            return await self.client.pull(p, have_version, self.settings.pull_wait_s)
+        self.held.pulling(p, have_version)
+        try:
+            pulled = await self.client.pull(p, have_version, self.settings.pull_wait_s)
+            if pulled is not None:
+                # Servable to peers from now on, before this learner applies it.
+                self.held.pulled(p, pulled.version, pulled.values)
+            return pulled
+        finally:
+            self.held.pulling(p, None)
 
     def _enqueue(self, item: _Outgoing) -> None:
         assert self._sends is not None
@@ -229,6 +340,8 @@ class FragmentSync:
         state.tokens = state.steps = 0
         state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
         self.applied_versions[p] = pulled.version
+        if self.held is not None:
+            self.held.applied(p, pulled.version, pulled.values)
         self.client.events.emit("applied", learner=self.client.learner_id, fragment=p,
                                 version=pulled.version, step=self.local_step)
         return True

@@ -1,0 +1,601 @@
+"""Learners serving their fragments to each other, for catch-up after a restart.
+
+A restarted learner needs every fragment at the versions the synchronizer
+publishes now, and its peers already hold most of them in memory: the merged
+values each applied last and, until it applies it, a newer version it has
+pulled (`HeldFragments`). `PeerServer` serves exactly those versions from the
+learner's background loop, so serving never runs on the training thread:
+over gRPC (`PeerFragments.Fetch`, the same header-and-chunks stream as a
+pull) or as raw fp32 bytes on a plain TCP port after `PeerFragments.Reserve`,
+which moves a large model at socket speed rather than gRPC's (on loopback
+here gRPC in Python manages a third to a half of it). `fetch_from_peers` is
+the other side, called by `learner.streaming.FragmentSync` when it starts:
+each fragment comes from the first peer that holds its exact version, and
+the caller loads what no peer holds from the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, NoReturn
+
+import grpc
+import numpy as np
+
+from protos import ftsync_pb2 as pb
+from protos import peer_pb2 as peer_pb
+from protos import peer_pb2_grpc as peer_grpc
+from protos.codec import FP32, iter_chunk_messages
+from protos.events import EventLog
+
+# How a catching-up learner fetches: "bulk" (Reserve, then raw bytes over TCP;
+# it falls back to "grpc" for a peer whose bulk port it cannot reach) or "grpc".
+TRANSPORTS: Final = ("bulk", "grpc")
+
+_CHANNEL_OPTIONS: Final = [
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+    # One connection per peer, as if each were its own process.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+_TICKET_BYTES: Final = 16
+# The byte count a bulk connection is answered with for an unknown or spent ticket.
+_NO_TICKET: Final = (1 << 64) - 1
+_RESERVATION_S: Final = 30.0
+# Control calls to a peer: a peer that cannot answer in this long is skipped.
+_RPC_TIMEOUT_S: Final = 5.0
+# A version the learner is pulling right now is worth waiting this long for: just
+# after a commit, the learners that contributed to it are all still pulling it.
+_ARRIVAL_WAIT_S: Final = 2.0
+_ARRIVAL_POLL_S: Final = 0.02
+# A bulk send that makes no progress for this long (the receiver stalled) is given up.
+_SEND_IDLE_S: Final = 30.0
+# Bulk sends run in threads of their own at this nice value: serving peers is
+# background work, so where cores are short the training thread goes first.
+_SENDER_NICE: Final = 10
+_SENDERS: Final = 4
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class PeerRefusal(Exception):
+    """Why a learner does not serve a request; `_STATUS` maps each reason to its
+    gRPC status, in this one place."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+_STATUS: Final[dict[str, grpc.StatusCode]] = {
+    "not_held": grpc.StatusCode.NOT_FOUND,
+    "other_run": grpc.StatusCode.FAILED_PRECONDITION,
+    "unknown_fragment": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+class PeerMiss(Exception):
+    """A peer could not serve one fragment version (it holds another, belongs to
+    another run, or its transfer failed); the next peer or the coordinator will."""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) as `(host, port)`."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"peer address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """Where a learner serves its fragments and where it catches up from."""
+
+    # Other learners' peer addresses (HOST:PORT), tried in turn for each fragment.
+    peers: tuple[str, ...] = ()
+    # HOST:PORT to serve this learner's fragments on (port 0: any free port); None: don't.
+    serve: str | None = None
+    transport: str = "bulk"
+    # Fragments fetched at once (each from whichever peer holds it).
+    concurrency: int = 4
+    # A transfer with no progress for this long moves on to the next peer.
+    idle_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"peer transport must be one of {', '.join(TRANSPORTS)}, "
+                             f"got {self.transport!r}")
+        for address in (*self.peers, *([self.serve] if self.serve else [])):
+            split_address(address)
+        if self.concurrency < 1:
+            raise ValueError(f"peer concurrency must be >= 1, got {self.concurrency}")
+
+
+# -- what a learner holds ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    version: int
+    values: np.ndarray
+
+
+class HeldFragments:
+    """The global values a learner can serve, per fragment: the version it applied
+    last and, until it applies it, a newer one it has pulled (and whether a pull
+    that may bring a newer one is under way).
+
+    Arrays are kept by reference, never copied: the runtime never writes a pulled
+    array in place (it replaces its base instead), so a held version stays exact.
+    Holding costs at most one copy of the model, once the runtime has moved its
+    base on to its own values at the next push. Written from the training thread
+    (apply) and the background loop (pull), read by the server on the loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._applied: dict[int, Held] = {}
+        self._pulled: dict[int, Held] = {}
+        # Fragment → the version a pull in flight asked to be newer than.
+        self._pulling: dict[int, int] = {}
+
+    def applied(self, fragment: int, version: int, values: np.ndarray) -> None:
+        with self._lock:
+            self._applied[fragment] = Held(version, np.ascontiguousarray(values))
+            pulled = self._pulled.get(fragment)
+            if pulled is not None and pulled.version <= version:
+                del self._pulled[fragment]
+
+    def pulled(self, fragment: int, version: int, values: np.ndarray) -> None:
+        with self._lock:
+            applied = self._applied.get(fragment)
+            pulled = self._pulled.get(fragment)
+            if ((applied is None or version > applied.version)
+                    and (pulled is None or version > pulled.version)):
+                self._pulled[fragment] = Held(version, np.ascontiguousarray(values))
+
+    def pulling(self, fragment: int, have_version: int | None) -> None:
+        """A pull for a version newer than `have_version` began (None: it ended)."""
+        with self._lock:
+            if have_version is None:
+                self._pulling.pop(fragment, None)
+            else:
+                self._pulling[fragment] = have_version
+
+    def may_arrive(self, fragment: int, version: int) -> bool:
+        """Whether a pull under way could still bring `version`."""
+        with self._lock:
+            return self._pulling.get(fragment, version) < version
+
+    def get(self, fragment: int, version: int) -> np.ndarray | None:
+        with self._lock:
+            for held in (self._applied.get(fragment), self._pulled.get(fragment)):
+                if held is not None and held.version == version:
+                    return held.values
+        return None
+
+    def versions(self) -> list[tuple[int, int]]:
+        """(fragment, version) of everything held."""
+        with self._lock:
+            return sorted((p, h.version) for held in (self._applied, self._pulled)
+                          for p, h in held.items())
+
+
+# -- serving ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Ticket:
+    fragment: int
+    version: int
+    values: np.ndarray
+    expires_at: float
+
+
+class PeerServer:
+    """`PeerFragments` over gRPC plus the bulk TCP port, on the caller's event loop."""
+
+    def __init__(self, held: HeldFragments, identity: Callable[[], tuple[str, str]],
+                 numels: Sequence[int], chunk_bytes: Callable[[], int],
+                 events: EventLog, learner_id: str) -> None:
+        self.held = held
+        # (run_id, layout_hash) of this learner's run, read at each request.
+        self.identity = identity
+        self.numels = list(numels)
+        self.chunk_bytes = chunk_bytes
+        self.events = events
+        self.learner_id = learner_id
+        self.address = ""
+        self.bulk_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._senders = concurrent.futures.ThreadPoolExecutor(
+            _SENDERS, thread_name_prefix="ftsync-peer-send", initializer=_lower_priority)
+
+    async def start(self, address: str) -> str:
+        """Listen on `address` (gRPC) and on a free port of the same host (bulk);
+        returns the gRPC address as bound."""
+        host, _ = split_address(address)
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(sockaddr)
+            listener.listen(16)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.bulk_port = listener.getsockname()[1]
+        # No SO_REUSEPORT: a second learner given the same address must fail to start,
+        # not share the port with the first.
+        server = grpc.aio.server(options=[*_CHANNEL_OPTIONS[:2], ("grpc.so_reuseport", 0)])
+        peer_grpc.add_PeerFragmentsServicer_to_server(_Servicer(self), server)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpcio reports a failed bind this way
+            port = 0
+            cause: Exception | None = exc
+        else:
+            cause = None
+        if port == 0:
+            listener.close()
+            raise OSError(f"cannot serve peers on {address}: the address is not "
+                          f"available") from cause
+        await server.start()
+        self._server = server
+        self._spawn(self._accept_bulk())
+        self.address = f"{address.rpartition(':')[0]}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    async def values(self, request: peer_pb.PeerFetchRequest) -> np.ndarray:
+        """The exact version asked for, or a `PeerRefusal` saying why not; waits a
+        little for a version that a pull under way may bring."""
+        if request.fragment >= len(self.numels):
+            raise PeerRefusal("unknown_fragment",
+                              f"fragment {request.fragment} does not exist (this run has "
+                              f"fragments 0..{len(self.numels) - 1})")
+        run_id, layout_hash = self.identity()
+        if (request.run_id, request.layout_hash) != (run_id, layout_hash):
+            raise PeerRefusal("other_run",
+                              f"asked for run {request.run_id!r} layout "
+                              f"{request.layout_hash!r}; this learner is in run {run_id!r} "
+                              f"layout {layout_hash!r}")
+        values = self.held.get(request.fragment, request.version)
+        deadline = time.monotonic() + _ARRIVAL_WAIT_S
+        while (values is None and time.monotonic() < deadline
+               and self.held.may_arrive(request.fragment, request.version)):
+            await asyncio.sleep(_ARRIVAL_POLL_S)
+            values = self.held.get(request.fragment, request.version)
+        if values is None:
+            held = [v for p, v in self.held.versions() if p == request.fragment]
+            raise PeerRefusal("not_held",
+                              f"fragment {request.fragment} version {request.version} is not "
+                              f"held here (held: {held or 'none'})")
+        return values
+
+    async def reserve(self, request: peer_pb.PeerFetchRequest) -> peer_pb.Reservation:
+        values = await self.values(request)
+        now = time.monotonic()
+        for ticket in [t for t, r in self._tickets.items() if r.expires_at < now]:
+            del self._tickets[ticket]
+        ticket = secrets.token_bytes(_TICKET_BYTES)
+        # The reservation pins this array: a newer version applied meanwhile changes nothing.
+        self._tickets[ticket] = _Ticket(request.fragment, request.version, values,
+                                        now + _RESERVATION_S)
+        return peer_pb.Reservation(fragment=request.fragment, version=request.version,
+                                   numel=values.size, ticket=ticket, bulk_port=self.bulk_port,
+                                   expires_ms=int(_RESERVATION_S * 1000))
+
+    def served(self, to: str, fragment: int, version: int, transport: str, nbytes: int,
+               started: float) -> None:
+        self.events.emit("peer_serve", learner=self.learner_id, to=to, fragment=fragment,
+                         version=version, transport=transport, bytes=nbytes,
+                         seconds=round(time.monotonic() - started, 4))
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_bulk(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            self._spawn(self._serve_bulk(conn))
+
+    async def _serve_bulk(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        with conn, contextlib.suppress(OSError, TimeoutError):
+            conn.setblocking(False)
+            ticket = await asyncio.wait_for(_sock_recv_exactly(loop, conn, _TICKET_BYTES), 10.0)
+            reserved = self._tickets.pop(ticket, None)
+            if reserved is None or reserved.expires_at < time.monotonic():
+                await loop.sock_sendall(conn, struct.pack("<Q", _NO_TICKET))
+                return
+            view = _little_endian(reserved.values).data.cast("B")
+            # One blocking send from the array's own memory, in a worker thread: the
+            # kernel copies it all with the GIL released, and neither this loop nor
+            # the training thread wakes per socket buffer as a non-blocking send would.
+            _kernel_timeouts(conn, _SEND_IDLE_S)
+            try:
+                await loop.run_in_executor(self._senders, _send_all, conn,
+                                           struct.pack("<Q", view.nbytes), view)
+            except asyncio.CancelledError:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread's send
+                raise
+            self.served(str(conn.getpeername()[0]), reserved.fragment, reserved.version, "bulk",
+                        view.nbytes, started)
+
+
+class _Servicer(peer_grpc.PeerFragmentsServicer):  # type: ignore[misc]
+    def __init__(self, server: PeerServer) -> None:
+        self.server = server
+
+    async def Fetch(self, request: peer_pb.PeerFetchRequest,
+                    context: Context) -> AsyncIterator[pb.PullMessage]:
+        started = time.monotonic()
+        try:
+            values = await self.server.values(request)
+        except PeerRefusal as refusal:
+            await _abort(context, refusal)
+        yield pb.PullMessage(header=pb.PullHeader(
+            fragment=request.fragment, version=request.version, numel=values.size))
+        for message in iter_chunk_messages(values, FP32, pb.PullMessage,
+                                           self.server.chunk_bytes()):
+            yield message
+        self.server.served(context.peer(), request.fragment, request.version, "grpc",
+                           4 * values.size, started)
+
+    async def Reserve(self, request: peer_pb.PeerFetchRequest,
+                      context: Context) -> peer_pb.Reservation:
+        try:
+            return await self.server.reserve(request)
+        except PeerRefusal as refusal:
+            await _abort(context, refusal)
+
+    async def ListHoldings(self, request: peer_pb.HoldingsRequest,
+                           context: Context) -> peer_pb.Holdings:
+        run_id, layout_hash = self.server.identity()
+        return peer_pb.Holdings(run_id=run_id, layout_hash=layout_hash, fragments=[
+            pb.FragmentStatus(fragment=p, version=v) for p, v in self.server.held.versions()])
+
+
+async def _abort(context: Context, refusal: PeerRefusal) -> NoReturn:
+    await context.abort(_STATUS[refusal.reason], str(refusal))
+    raise AssertionError("context.abort returned")
+
+
+# -- fetching ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fetched:
+    fragment: int
+    version: int
+    values: np.ndarray
+    source: str  # the peer's address
+    transport: str
+    seconds: float
+
+
+@dataclass
+class _Peer:
+    address: str
+    channel: grpc.aio.Channel
+    stub: peer_grpc.PeerFragmentsStub
+    bulk_reachable: bool = True
+    # Unreachable (connection refused, no answer): skipped for the rest of the catch-up.
+    down: bool = False
+
+
+@dataclass
+class PeerFetchReport:
+    """What a catch-up got from its peers, and why the rest came from elsewhere."""
+
+    fetched: dict[int, Fetched] = field(default_factory=dict)
+    misses: list[str] = field(default_factory=list)
+
+
+async def fetch_from_peers(
+        addresses: Sequence[str], run_id: str, layout_hash: str, wanted: Mapping[int, int],
+        numels: Sequence[int], *, transport: str = "bulk", concurrency: int = 4,
+        idle_timeout_s: float = 10.0,
+        deliver: Callable[[Fetched], Awaitable[None]] | None = None) -> PeerFetchReport:
+    """Fetch fragment p at exactly version `wanted[p]`, from the first of `addresses`
+    that holds it (fragment p starts at peer p mod n, so several peers share the
+    load). `deliver` is awaited on each fragment as it arrives. Never raises for
+    a peer's failure: what no peer served is missing from the report."""
+    report = PeerFetchReport()
+    if not addresses or not wanted:
+        return report
+    peers = [_open_peer(address) for address in addresses]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(fragment: int) -> None:
+        request = peer_pb.PeerFetchRequest(run_id=run_id, layout_hash=layout_hash,
+                                           fragment=fragment, version=wanted[fragment])
+        for i in range(len(peers)):
+            peer = peers[(fragment + i) % len(peers)]
+            if peer.down:
+                continue
+            try:
+                async with limit:
+                    fetched = await _fetch(peer, request, numels[fragment], transport,
+                                           idle_timeout_s)
+            except PeerMiss as miss:
+                report.misses.append(f"{peer.address} fragment {fragment}: {miss}")
+                continue
+            report.fetched[fragment] = fetched
+            if deliver is not None:
+                await deliver(fetched)
+            return
+
+    try:
+        await asyncio.gather(*(one(p) for p in sorted(wanted)))
+    finally:
+        await asyncio.gather(*(peer.channel.close(grace=None) for peer in peers))
+    return report
+
+
+def _open_peer(address: str) -> _Peer:
+    channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return _Peer(address, channel, peer_grpc.PeerFragmentsStub(channel))
+
+
+async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, transport: str,
+                 idle_timeout_s: float) -> Fetched:
+    """One fragment version from one peer, or `PeerMiss`."""
+    started = time.monotonic()
+    try:
+        if transport == "bulk" and peer.bulk_reachable:
+            reservation: peer_pb.Reservation = await peer.stub.Reserve(
+                request, timeout=_RPC_TIMEOUT_S)
+            if reservation.numel != numel:
+                raise PeerMiss(f"reserved {reservation.numel} elements, the fragment has {numel}")
+            host, _ = split_address(peer.address)
+            try:
+                values = await asyncio.to_thread(_receive_bulk, host, reservation.bulk_port,
+                                                 reservation.ticket, numel, idle_timeout_s)
+            except ConnectionRefusedError:
+                # A firewall or NAT in the way of the bulk port: gRPC still gets through.
+                peer.bulk_reachable = False
+            else:
+                return Fetched(request.fragment, request.version, values, peer.address,
+                               "bulk", time.monotonic() - started)
+        values = await _receive_stream(peer, request, numel, idle_timeout_s)
+        return Fetched(request.fragment, request.version, values, peer.address, "grpc",
+                       time.monotonic() - started)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            peer.down = True
+        raise PeerMiss(f"{exc.code().name}: {exc.details()}") from exc
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise PeerMiss(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int,
+                          idle_timeout_s: float) -> np.ndarray:
+    call = peer.stub.Fetch(request)
+    stream = aiter(call)
+    try:
+        message = await asyncio.wait_for(anext(stream), _RPC_TIMEOUT_S)
+        header = message.header
+        if (message.WhichOneof("kind") != "header" or header.fragment != request.fragment
+                or header.version != request.version or header.numel != numel):
+            raise ValueError(f"peer sent {header} for fragment {request.fragment} version "
+                             f"{request.version} of {numel} elements")
+        values = np.empty(numel, dtype=np.float32)
+        received = 0
+        while received < numel:
+            message = await asyncio.wait_for(anext(stream, None), idle_timeout_s)
+            if message is None or message.WhichOneof("kind") != "chunk":
+                raise ValueError(f"peer stream ended after {received} of {numel} elements")
+            chunk = message.chunk
+            if chunk.offset != received or chunk.offset + chunk.count > numel:
+                raise ValueError(f"peer sent a chunk at {chunk.offset} of {chunk.count} "
+                                 f"elements after {received} of {numel}")
+            values[received:received + chunk.count] = np.frombuffer(chunk.data, "<f4")
+            received += chunk.count
+        return values
+    finally:
+        call.cancel()
+
+
+def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
+                  idle_timeout_s: float) -> np.ndarray:
+    """Blocking (run in a thread): present the ticket, receive straight into the
+    array. The GIL is released while the kernel copies."""
+    values = np.empty(numel, dtype=np.float32)
+    view = values.data.cast("B")
+    with socket.create_connection((host, port), timeout=idle_timeout_s) as conn:
+        _kernel_timeouts(conn, idle_timeout_s)
+        conn.sendall(ticket)
+        (nbytes,) = struct.unpack("<Q", _recv_exactly(conn, 8))
+        if nbytes == _NO_TICKET:
+            raise ValueError("the peer no longer holds the reservation (ticket spent or expired)")
+        if nbytes != view.nbytes:
+            raise ValueError(f"peer announced {nbytes} bytes for {numel} fp32 elements")
+        got = 0
+        while got < nbytes:
+            # MSG_WAITALL: one call for the lot, returning early only on a timeout.
+            n = conn.recv_into(view[got:], nbytes - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise ConnectionError(f"peer closed the bulk transfer after {got} of "
+                                      f"{nbytes} bytes")
+            got += n
+    return values if sys.byteorder == "little" else values.view("<f4").astype(np.float32)
+
+
+def _kernel_timeouts(conn: socket.socket, seconds: float) -> None:
+    """Make `conn` blocking, with sends and receives that fail after `seconds` without
+    progress: the kernel's timeouts, where Python's own would poll before each call."""
+    conn.settimeout(None)
+    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+
+def _lower_priority() -> None:
+    """Raise the calling thread's nice value (Linux: per thread; elsewhere a no-op)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, 0) + _SENDER_NICE)
+
+
+def _send_all(conn: socket.socket, header: bytes, view: memoryview) -> None:
+    conn.sendall(header)
+    conn.sendall(view)
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = conn.recv(n - len(data))
+        if not more:
+            raise ConnectionError(f"peer closed after {len(data)} of {n} header bytes")
+        data += more
+    return data
+
+
+async def _sock_recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                             n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = await loop.sock_recv(conn, n - len(data))
+        if not more:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += more
+    return data
+
+
+def _little_endian(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype="<f4")
