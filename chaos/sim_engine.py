@@ -11,8 +11,9 @@ methods share the failure model:
   order as the daemon's engine feeds it, under a simulated clock. A failed
   learner restarts (start-up, join, catch-up); an elastic one drops the chip,
   re-forms, and takes the chip back when it is repaired. The learner side
-  mirrors `learner.streaming.FragmentSync`: a pull per push, applied τ steps
-  later, which overwrites (and so loses) the work since the push.
+  mirrors `learner.streaming.FragmentSync`: a pull per push for the version
+  that merges it, applied τ steps later (or once it has come), which
+  overwrites (and so loses) the work since the push.
 - **dp**: one synchronous data-parallel job on every chip; any failure stops
   it until it is restarted.
 - **elastic-dp**: one job that drops a failed chip and re-forms without it.
@@ -230,8 +231,8 @@ def _uptime(commits: np.ndarray, start: float, end: float, window_s: float) -> f
 class _Fragment:
     """A learner's view of one fragment (FragmentSync's `_FragmentState`)."""
 
-    __slots__ = ("apply_at", "base_version", "deadline", "pending", "ready_t", "ready_v",
-                 "since_step", "since_w")
+    __slots__ = ("apply_at", "base_version", "deadline", "fell_back", "pending", "ready_t",
+                 "ready_v", "since_step", "since_w", "want")
 
     def __init__(self, base_version: int, since_w: float) -> None:
         self.base_version = base_version
@@ -244,6 +245,10 @@ class _Fragment:
         self.ready_t = -1.0
         self.ready_v = -1
         self.deadline = 0.0
+        # The pull waits for a version above this: the one before its push's target,
+        # or (fell_back, τ steps after it was due) the base.
+        self.want = base_version
+        self.fell_back = False
 
 
 class _Group:
@@ -508,6 +513,8 @@ class _FtsyncRun:
         f.since_w, f.since_step = w, k
         if pull and f.pending and f.ready_t < 0 and t > f.deadline:
             f.pending = False  # the pull timed out empty-handed
+        pulls = pull and not f.pending
+        arriving = False
         if steps > 0 and work > 0:
             seq = g.next_seq
             g.next_seq += 1
@@ -519,19 +526,39 @@ class _FtsyncRun:
             except Rejected as rejected:
                 self._drop(rejected)
             else:
+                arriving = True
                 self.at(t + self.s.training.push_s, _OTHER, self._arrive, g, g.incarnation,
-                        offer, work)
-        if pull and not f.pending:
+                        offer, work, pulls)
+        if pulls:
             f.pending = True
             f.apply_at = k + self.tau
             f.ready_t = -1.0
-            if self.published[p] > f.base_version:
-                f.ready_t = t + self.s.training.pull_s
-                f.ready_v = self.published[p]
-                self._schedule_apply(g, p)
-            else:
-                f.deadline = t + self.s.training.pull_wait_s
-                self.waiters[p].append((g, g.incarnation, f.deadline))
+            f.want = f.base_version
+            f.fell_back = False
+            f.deadline = math.inf  # the pull starts once the push is answered
+            if not arriving:
+                self._await_version(t, g, p)
+            self.at(g.time_of(k + 2 * self.tau), _OTHER, self._fall_back, g, g.incarnation, p)
+
+    def _fall_back(self, t: float, g: _Group, incarnation: int, p: int) -> None:
+        """FragmentSync._fall_back: its own round slow to close, the pull takes the
+        newest version."""
+        f = g.frags[p] if incarnation == g.incarnation else None
+        if f is None or not f.pending or f.ready_t >= 0 or f.fell_back:
+            return
+        f.fell_back = True
+        f.want = f.base_version
+        self._await_version(t, g, p)
+
+    def _await_version(self, t: float, g: _Group, p: int) -> None:
+        f = g.frags[p]
+        if self.published[p] > f.want:
+            f.ready_t = t + self.s.training.pull_s
+            f.ready_v = self.published[p]
+            self._schedule_apply(g, p)
+        else:
+            f.deadline = t + self.s.training.pull_wait_s
+            self.waiters[p].append((g, g.incarnation, f.deadline))
 
     def _schedule_apply(self, g: _Group, p: int) -> None:
         if g.state != RUNNING:
@@ -728,20 +755,26 @@ class _FtsyncRun:
                 self._heartbeat(t, g)
 
     def _arrive(self, t: float, g: _Group, incarnation: int, offer: Offer,
-                work: float) -> None:
+                work: float, pulls: bool) -> None:
         if incarnation != g.incarnation:
             self.lost_in_flight += 1  # the process died mid-push
             return
         self._refresh(t)
+        p = offer.id.fragment
         try:
             admission = self._admit(t, g, offer)
             self.policy.accept(admission, t)
         except Rejected as rejected:
             self._drop(rejected)
+            if pulls and not g.frags[p].fell_back:
+                self._await_version(t, g, p)
             return
-        self.accepted[(offer.id.learner_id, offer.id.fragment, offer.id.seq)] = (
-            work, offer.c_tokens)
+        self.accepted[(offer.id.learner_id, p, offer.id.seq)] = (work, offer.c_tokens)
         self._coordinate(t)
+        f = g.frags[p]
+        if pulls and not f.fell_back:
+            f.want = max(f.base_version, admission.target_version - 1)
+            self._await_version(t, g, p)
 
     def _admit(self, t: float, g: _Group, offer: Offer) -> Admission:
         try:
@@ -787,6 +820,9 @@ class _FtsyncRun:
         for g, incarnation, deadline in waiters:
             f = g.frags[p] if incarnation == g.incarnation else None
             if f is None or not f.pending or f.ready_t >= 0 or t > deadline:
+                continue
+            if self.published[p] <= f.want:
+                self.waiters[p].append((g, incarnation, deadline))  # not its version yet
                 continue
             f.ready_t = t + self.s.training.pull_s
             f.ready_v = self.published[p]

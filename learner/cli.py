@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
         parser.error("--steps and --fragments must be positive and 0 <= --shard < --num-shards")
     run = run_synthetic if args.task == "synthetic" else run_task
-    sys.exit(run(args))
+    code = run(args)
+    # The run is left and every log flushed. Tearing torch and gRPC down at interpreter
+    # exit would keep the process (and the slot it holds) busy for seconds more on a
+    # loaded machine, so end here: this is a process's entry point, not a library call.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,11 @@ _LEADER_METADATA = "ftsync-leader"
 _REDIRECT_S = (0.01, 0.05)
 # Longest pause between rounds over every replica while none answers.
 _FAILOVER_BACKOFF_S = 0.1
+# A heartbeat answers in milliseconds; one that takes this long means a frozen
+# or cut-off coordinator, and the search for the leader starts.
+_HEARTBEAT_DEADLINE_S = 2.0
+# How often to read the leader record while waiting for it to change.
+_ETCD_POLL_S = 0.1
 
 
 class _WrongReplica(Exception):
@@ -210,7 +216,7 @@ class SynchronizerClient:
                                       backlog=len(self.outbox))
         async def heartbeat_once() -> pb.HeartbeatResponse:
             reply: pb.HeartbeatResponse = await self._stub.Heartbeat(
-                request, metadata=self._metadata, timeout=5)
+                request, metadata=self._metadata, timeout=_HEARTBEAT_DEADLINE_S)
             self._check_epoch(reply.epoch)
             return reply
         response = await self._call(heartbeat_once)
@@ -259,7 +265,7 @@ class SynchronizerClient:
                 self.addresses.append(hint)
             self._current = self.addresses.index(hint)
         elif self._etcd is not None:
-            leader = await _leader_from_etcd(*self._etcd)
+            leader = await self._leader_in_etcd(avoid=before if failed else "")
             if leader and leader not in self.addresses:
                 self.addresses.append(leader)
             if leader:
@@ -280,6 +286,19 @@ class SynchronizerClient:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
+    async def _leader_in_etcd(self, avoid: str) -> str:
+        """The leader etcd names. When that is `avoid`, the replica that just failed,
+        ask again for a while: a frozen or cut-off leader's record stays until its
+        lease expires, and calling it again would only wait out another deadline."""
+        assert self._etcd is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _HEARTBEAT_DEADLINE_S
+        while True:
+            leader = await _leader_from_etcd(*self._etcd)
+            if not avoid or leader != avoid or loop.time() >= deadline:
+                return leader
+            await asyncio.sleep(_ETCD_POLL_S)
+
     # -- pushes ---------------------------------------------------------------------
 
     async def push_initial(self, fragment: int, values: np.ndarray) -> bool:
@@ -296,12 +315,13 @@ class SynchronizerClient:
         return True
 
     async def push(self, fragment: int, delta: np.ndarray, base_version: int, c_tokens: int,
-                   c_steps: int, local_step: int, work_s: float = 0.0) -> None:
-        """Push an outer gradient; it stays in the outbox until merged or dropped."""
+                   c_steps: int, local_step: int, work_s: float = 0.0) -> int | None:
+        """Push an outer gradient; it stays in the outbox until merged or dropped.
+        Returns the version the coordinator will merge it into, when it says."""
         contribution = Contribution(fragment, self._take_seq(), base_version, c_tokens,
                                     c_steps, local_step, delta, work_s)
         self.outbox[(fragment, contribution.seq)] = contribution
-        await self._send(contribution)
+        return await self._send(contribution)
 
     async def repush_unacknowledged(self) -> None:
         """Push again whatever the coordinator does not hold (after it restarted)."""
@@ -315,7 +335,7 @@ class SynchronizerClient:
     def backlog(self) -> int:
         return len(self.outbox)
 
-    async def _send(self, c: Contribution) -> None:
+    async def _send(self, c: Contribution) -> int | None:
         header = pb.PushHeader(
             learner_id=self.learner_id, fragment=c.fragment, layout_hash=self.layout_hash,
             seq=c.seq, base_version=c.base_version, c_tokens=c.c_tokens, c_steps=c.c_steps,
@@ -333,18 +353,19 @@ class SynchronizerClient:
                 c.acknowledged = True  # the open round already holds it
             else:
                 self._settle(c, merged=False, reason=refused.reason, detail=refused.details)
-            return
+            return None
         except (grpc.RpcError, TimeoutError) as exc:
             # Still in the outbox: pushed again once the coordinator is back.
             self.events.emit("push_unsent", learner=self.learner_id, fragment=c.fragment,
                              seq=c.seq, error=str(exc)[:200])
-            return
+            return None
         finally:
             c.in_flight = False
         c.acknowledged = True
         self.events.emit("push_ack", learner=self.learner_id, fragment=c.fragment, seq=c.seq,
                          target=ack.target_version, weight=ack.weight,
                          staleness=ack.staleness)
+        return int(ack.target_version)
 
     async def _push(self, header: pb.PushHeader, values: np.ndarray,
                     codec: Codec) -> pb.PushResponse:
@@ -493,11 +514,14 @@ class SynchronizerClient:
                     if loop.time() >= give_up:
                         raise Refused(exc.code(), details) from exc
                     leader = _leader_named(exc)
+                    if loop.time() - self._failed_at.get(leader, -math.inf) < \
+                            _HEARTBEAT_DEADLINE_S:
+                        # Sent back to a replica that just failed: its lease has yet to
+                        # expire. Ask this one again; it may be the next leader.
+                        await asyncio.sleep(_FAILOVER_BACKOFF_S)
+                        continue
                     await self._find_leader(leader, failed=False)
-                    # Sent back to a replica that just failed: its lease has yet to expire.
-                    recently = loop.time() - self._failed_at.get(leader, -math.inf) < 1.0
-                    await asyncio.sleep(_FAILOVER_BACKOFF_S if recently
-                                        else random.uniform(*_REDIRECT_S))
+                    await asyncio.sleep(random.uniform(*_REDIRECT_S))
                     continue
                 if exc.code() not in _TRANSIENT:
                     raise Refused(exc.code(), details) from exc
@@ -524,11 +548,8 @@ def _leader_named(error: grpc.aio.AioRpcError) -> str:
     for key, value in metadata:
         if key == _LEADER_METADATA and isinstance(value, str):
             return value
-    details = error.details() or ""
-    marker = "leader is "
-    if marker in details:
-        return details.split(marker, 1)[1].split()[0]
-    return ""
+    named = re.search(r"leader is (\S+:\d+)", error.details() or "")
+    return named.group(1) if named else ""
 
 
 async def _leader_from_etcd(endpoints: list[str], run: str) -> str:

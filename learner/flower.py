@@ -446,8 +446,8 @@ class _Rounds:
             self.completed = round_
             examples += num_examples
             fit_metrics.append(metrics)
-            await self._push_all(int(num_examples), round_)
-            applied = await self._pull_all()
+            targets = await self._push_all(int(num_examples), round_)
+            applied = await self._pull_all(targets)
             self.events.emit("flower_round", learner=self.settings.learner_id, round=round_,
                              num_examples=num_examples, fit_s=round(fit_s, 4),
                              applied=applied, versions=self._versions(), metrics=metrics)
@@ -463,7 +463,8 @@ class _Rounds:
             unsettled=self.client.backlog, pull_timeouts=self.pull_timeouts,
             parameters=list(self.arrays))
 
-    async def _push_all(self, num_examples: int, round_: int) -> None:
+    async def _push_all(self, num_examples: int, round_: int) -> list[int | None]:
+        """Push every fragment; returns the versions the coordinator will merge them into."""
         for state in self.states:
             state.tokens += num_examples
             state.steps += 1
@@ -471,17 +472,19 @@ class _Rounds:
             # Nothing to weigh this fit by; its progress rides on the next push.
             self.events.emit("flower_no_examples", learner=self.settings.learner_id,
                              round=round_)
-            return
-        await asyncio.gather(*(
+            return [None] * len(self.states)
+        return await asyncio.gather(*(
             self.client.push(p, state.base - self.layout.read(self.arrays, p),
                              state.base_version, state.tokens, state.steps, round_)
             for p, state in enumerate(self.states)))
 
-    async def _pull_all(self) -> list[int]:
-        """Wait (up to pull_wait_s) for each fragment's next version and apply it."""
+    async def _pull_all(self, targets: list[int | None]) -> list[int]:
+        """Wait (up to pull_wait_s) for each fragment's version holding this fit, and apply it."""
         pulled = await asyncio.gather(*(
-            self.client.pull(p, state.base_version, self.settings.pull_wait_s)
-            for p, state in enumerate(self.states)))
+            self.client.pull(p, state.base_version if target is None
+                             else max(state.base_version, target - 1),
+                             self.settings.pull_wait_s)
+            for (p, state), target in zip(enumerate(self.states), targets, strict=True)))
         applied = []
         for p, (state, new) in enumerate(zip(self.states, pulled, strict=True)):
             if new is None or new.version <= state.base_version:

@@ -3,8 +3,10 @@
 The training loop calls `step(tokens)` after each inner step. Fragment p is
 due when `(step − t_p) mod H == 0` with `t_p = floor(p·H/P)`: its outer
 gradient `Δ = Θ_base − θ` goes to the synchronizer in the background, and
-the merged fragment is applied `τ` steps later as `θ ← α·θ + (1−α)·Θ_new`
-(as soon after as it has arrived; the loop never blocks on it). A background
+the version that merges it is applied `τ` steps later as
+`θ ← α·θ + (1−α)·Θ_new` (as soon after as it has arrived; the loop never
+blocks on it). When that version is still not there τ steps after that, the
+newest one is taken instead. A background
 thread runs the gRPC client's event loop, the heartbeat and the pushes and
 pulls, through bounded queues. Parameters are seen as flat fp32 vectors
 through `read`/`write` callbacks, so numpy and torch models share this.
@@ -48,6 +50,20 @@ def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
             if step > t and (step - t) % sync_every == 0]
 
 
+def lockstep_resume_step(versions: dict[int, int], sync_every: int) -> int:
+    """The local step a learner joining a lock-step run resumes at.
+
+    In lock-step every learner pushes fragment p for version v at step
+    `t_p + v·H`. A learner that restarted at step 0 would push in another
+    phase than the others, and each side would wait for a round the other
+    has not reached. Resuming at `max_p (t_p + v_p·H)` over the published
+    versions (0 for a fragment at v0) makes its next push of every fragment
+    the one for version `v_p + 1`."""
+    starts = offsets(sync_every, len(versions))
+    return max((starts[p] + v * sync_every if v > 0 else 0 for p, v in versions.items()),
+               default=0)
+
+
 @dataclass
 class _FragmentState:
     # Where the next outer gradient is measured from: the last merged values
@@ -62,6 +78,8 @@ class _FragmentState:
     blocked_at_since: float = 0.0
     apply_at: int | None = None
     pending: Future[Pulled | None] | None = None
+    # The pull gave up waiting for the version holding the push (see _fall_back).
+    fell_back: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,8 @@ class _Outgoing:
     steps: int
     local_step: int
     work_s: float
+    # The version the coordinator will merge this into (None when not pushed).
+    target: Future[int | None] = field(default_factory=Future)
 
 
 @dataclass(frozen=True)
@@ -207,6 +227,9 @@ class FragmentSync:
             sources=sources, seconds=round(self.catch_up.seconds, 4),
             bytes_from_peers=self.catch_up.bytes_from_peers,
             bytes_from_coordinator=self.catch_up.bytes_from_coordinator, misses=misses[:20])
+        if self.settings.lockstep:
+            self.local_step = lockstep_resume_step(self.applied_versions,
+                                                   self.settings.sync_every)
         self._sends = asyncio.Queue()
         self._tasks = [self._loop.create_task(self._sender(), name="sender"),
                        self._loop.create_task(self._heartbeats(), name="heartbeats")]
@@ -288,8 +311,21 @@ class FragmentSync:
         self._loop.call_soon_threadsafe(self._enqueue, item)
         if state.pending is None:
             state.apply_at = self.local_step + self.settings.overlap_steps
+            state.fell_back = False
             state.pending = asyncio.run_coroutine_threadsafe(
-                self._pull(p, state.base_version), self._loop)
+                self._pull_own(p, state.base_version, item.target), self._loop)
+
+    async def _pull_own(self, p: int, base_version: int,
+                        target: Future[int | None]) -> Pulled | None:
+        """The first version that holds this push: an earlier one (another learner's
+        round) lacks the progress just pushed. In lock-step, the next version: a push
+        that missed its round waits for the next one, which needs the others' next
+        pushes, which wait for this learner."""
+        # Shielded: cancelling this pull (a fall-back) must not cancel the sender's future.
+        merged_into = await asyncio.shield(asyncio.wrap_future(target))
+        if merged_into is None or self.settings.lockstep:
+            return await self._pull(p, base_version)
+        return await self._pull(p, max(base_version, merged_into - 1))
 
     async def _pull(self, p: int, have_version: int) -> Pulled | None:
         if self.held is None:
@@ -308,17 +344,34 @@ class FragmentSync:
         assert self._sends is not None
         while self._sends.qsize() >= self.settings.max_backlog:
             dropped = self._sends.get_nowait()
+            dropped.target.set_result(None)
             self._sends.task_done()
             self.client.events.emit("dropped", learner=self.client.learner_id,
                                     fragment=dropped.fragment, reason="backlog_full",
                                     work_s=dropped.work_s)
         self._sends.put_nowait(item)
 
+    def _fall_back(self, p: int, state: _FragmentState) -> None:
+        """The round holding the push is slow to close (its quorum still gathering):
+        after τ more steps, take the newest version instead. Waiting on would leave
+        the base to age until pushes are refused as stale, and cost the local steps
+        that the version, when it comes, overwrites."""
+        assert state.pending is not None
+        state.pending.cancel()
+        state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, state.base_version),
+                                                         self._loop)
+        state.fell_back = True
+        self.client.events.emit("pull_fallback", learner=self.client.learner_id, fragment=p,
+                                step=self.local_step, base_version=state.base_version)
+
     def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
         if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
             return False
         if not state.pending.done():
             if not self.settings.lockstep:
+                if (not state.fell_back
+                        and self.local_step >= state.apply_at + self.settings.overlap_steps):
+                    self._fall_back(p, state)
                 return False
             waited_from = time.monotonic()
             concurrent.futures.wait([state.pending])
@@ -352,15 +405,17 @@ class FragmentSync:
         assert self._sends is not None
         while True:
             item = await self._sends.get()
+            target = None
             try:
                 if item.tokens > 0 and item.steps > 0:
-                    await self.client.push(item.fragment, item.delta, item.base_version,
-                                           item.tokens, item.steps, item.local_step,
-                                           work_s=item.work_s)
+                    target = await self.client.push(
+                        item.fragment, item.delta, item.base_version, item.tokens, item.steps,
+                        item.local_step, work_s=item.work_s)
             except Exception as exc:  # reported; training goes on
                 self.client.events.emit("push_failed", learner=self.client.learner_id,
                                         fragment=item.fragment, error=str(exc)[:200])
             finally:
+                item.target.set_result(target)
                 self._sends.task_done()
 
     async def _heartbeats(self) -> None:

@@ -63,6 +63,73 @@ def test_merged_fragment_is_applied_overlap_steps_after_its_push_blended_by_alph
                                    rtol=1e-6, atol=1e-7)
 
 
+def test_a_push_is_answered_by_the_version_that_merges_it_not_an_earlier_one(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """Another learner's round publishing first must not overwrite the local progress
+    just pushed: the learner waits for the version its own contribution went into."""
+    daemon = start_daemon("--set", "policy.grace_max_s=0")
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Learner(daemon.address, model, sync_every=4, fragments=1, overlap=1,
+                 device="cpu", learner_id="slow") as learner:
+        view = FragmentView(model, learner.plan)
+        numel = learner.plan.numels[0]
+
+        async def other_learner_commits_version_1() -> None:
+            other = SynchronizerClient(daemon.address, "fast", learner.plan.hash,
+                                       learner.plan.numels)
+            await other.join()
+            await other.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=0,
+                             c_tokens=32, c_steps=1, local_step=1)
+            await other.close()
+        asyncio.run(other_learner_commits_version_1())
+        wait_until(lambda: daemon.status().fragments[0].version == 1, message="v1 commit")
+        for _ in range(4):  # pushes with base version 0: merged into version 2
+            train_step(model, opt)
+            learner.step(tokens=32)
+        wait_until(lambda: daemon.status().fragments[0].version == 2, message="v2 commit")
+        global_v2 = asyncio.run(fetch_fragment(daemon, learner, 0))
+        time.sleep(0.5)  # the pull answers right after the commit
+        train_step(model, opt)
+        assert learner.step(tokens=32) == [0]
+        assert learner.applied_versions[0] == 2
+        np.testing.assert_array_equal(view.read(0), global_v2)
+
+
+def test_a_push_whose_round_is_slow_to_close_falls_back_to_the_newest_version(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """Quorum 2: two other learners make version 1, then our push waits alone in the
+    round for version 2. τ steps after it was due, the learner takes version 1."""
+    daemon = start_daemon("--min-quorum", "2", "--set", "policy.grace_max_s=0")
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Learner(daemon.address, model, sync_every=4, fragments=1, overlap=1,
+                 device="cpu", learner_id="alone") as learner:
+        numel = learner.plan.numels[0]
+
+        async def two_others_commit_version_1() -> None:
+            for name in ("a", "b"):
+                other = SynchronizerClient(daemon.address, name, learner.plan.hash,
+                                           learner.plan.numels)
+                await other.join()
+                await other.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=0,
+                                 c_tokens=32, c_steps=1, local_step=1)
+                await other.close()
+        asyncio.run(two_others_commit_version_1())
+        wait_until(lambda: daemon.status().fragments[0].version == 1, message="v1 commit")
+        applied_at = None
+        for step in range(1, 12):
+            train_step(model, opt)
+            if learner.step(tokens=32):
+                applied_at = step
+                break
+            time.sleep(0.3)
+        # Pushed at step 4 into the round for v2, due at 5, fallen back at 6, applied at 7.
+        assert applied_at == 7
+        assert learner.applied_versions[0] == 1
+        assert daemon.status().fragments[0].version == 1  # its own round is still open
+
+
 async def fetch_fragment(daemon: Daemon, learner: Learner, fragment: int) -> np.ndarray:
     """The fragment's published values, as an observer client sees them."""
     observer = SynchronizerClient(daemon.address, "observer", learner.plan.hash,

@@ -3,10 +3,11 @@ the etcd channel targets, and how a learner reads a standby's redirect."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from coordinator.etcd import channel_targets
-from learner.client import SynchronizerClient, _WrongReplica
+from learner.client import SynchronizerClient, _leader_named, _WrongReplica
 from protos.discovery import LeaderRecord, leader_key, parse_etcd_url
 
 
@@ -40,3 +41,16 @@ def test_a_learner_ignores_answers_from_an_older_epoch() -> None:
         client._check_epoch(4)
     assert client.epoch == 5
     assert SynchronizerClient("etcd://h:1/r", "l0", "layout", [10]).address == ""
+
+
+@pytest.mark.parametrize(("details", "metadata", "leader"), [
+    ("not_leader: leader is 10.0.0.2:50051 (epoch 7)", (), "10.0.0.2:50051"),
+    ("not_leader: no leader is elected yet; retry shortly", (), ""),
+    ("not_leader: no leader is elected yet; retry shortly",
+     (("ftsync-leader", "h:1"),), "h:1"),
+])
+def test_a_refusal_names_the_leader_only_by_its_address(
+        details: str, metadata: tuple[tuple[str, str], ...], leader: str) -> None:
+    error = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(*metadata), details)
+    assert _leader_named(error) == leader

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from learner.fragments import FragmentView, plan_fragments
-from learner.streaming import due_fragments, offsets
+from learner.streaming import due_fragments, lockstep_resume_step, offsets
 
 
 def transformer_like(seed: int, width: int = 32, layers: int = 4) -> torch.nn.Module:
@@ -82,3 +82,20 @@ def test_fragments_are_staggered_across_the_window() -> None:
     assert due_fragments(125, 100, 4) == [1]
     # Nothing is due before a fragment has had a full window of steps.
     assert due_fragments(25, 100, 4) == []
+
+
+@given(sync_every=st.integers(1, 60), fragments=st.integers(1, 8), step=st.integers(0, 400))
+def test_a_learner_rejoining_lock_step_pushes_each_fragment_for_the_next_version(
+        sync_every: int, fragments: int, step: int) -> None:
+    """The others are at `step`, every push up to it merged: the rejoining learner's
+    next push of fragment p comes at the step they push version v_p + 1."""
+    starts = offsets(sync_every, fragments)
+    versions = {p: sum(1 for s in range(1, step + 1) if p in due_fragments(s, sync_every,
+                                                                             fragments))
+                for p in range(fragments)}
+    resumed = lockstep_resume_step(versions, sync_every)
+    assert resumed <= step
+    for p in range(fragments):
+        next_push = next(s for s in range(resumed + 1, resumed + 2 * sync_every + 2)
+                         if p in due_fragments(s, sync_every, fragments))
+        assert next_push == starts[p] + (versions[p] + 1) * sync_every
