@@ -64,6 +64,8 @@ class CheckConfig:
     loss_must_drop: bool = True
     # Window of the uptime measure.
     window_s: float = metrics.DEFAULT_WINDOW_S
+    # From each leader fault to the first commit of a newer epoch (failover_within).
+    max_failover_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,12 @@ def _coordinator(events: Sequence[Event], kind: str) -> list[Event]:
 
 def _learner_side(events: Sequence[Event], kind: str) -> list[Event]:
     return [e for e in events if e.kind == kind and e.source not in (COORDINATOR, HARNESS)]
+
+
+def _resumes(events: Sequence[Event]) -> list[Event]:
+    """Where a coordinator took over the run from its durable state: a restart
+    (`resume`) or a replica elected leader (`elected`); both list the versions."""
+    return [e for e in events if e.source == COORDINATOR and e.kind in ("resume", "elected")]
 
 
 # -- exactly-once ---------------------------------------------------------------------------
@@ -188,7 +196,7 @@ def acknowledged_settled(events: Sequence[Event]) -> CheckResult:
             in_manifest.setdefault(cid, commit)
     seen_merged = {e.cid: e for e in _learner_side(events, "merged")}
     dropped = {e.cid: e for e in _learner_side(events, "dropped") if e.has("seq")}
-    resumes = _coordinator(events, "resume")
+    resumes = _resumes(events)
     kills = _kills(events)
     adversaries = adversary_ids(events)
 
@@ -292,7 +300,7 @@ def versions_monotonic(events: Sequence[Event]) -> CheckResult:
                     f"fragment {p} went from v{version[p]} (#{last[p].index}) to v{v} "
                     f"(#{e.index})", (last[p].index, e.index)))
             last[p], version[p] = e, v
-        elif e.source == COORDINATOR and e.kind == "resume":
+        elif e.source == COORDINATOR and e.kind in ("resume", "elected"):
             resumed = versions_of(e)
             for p in sorted(version):
                 if resumed.get(p, -1) < version[p]:
@@ -327,6 +335,75 @@ def _applied_violations(events: Sequence[Event]) -> list[_Violation]:
                     (before.index, e.index)))
             applied[key] = e
     return violations
+
+
+# -- high availability ------------------------------------------------------------------------
+
+
+def no_split_brain(events: Sequence[Event]) -> CheckResult:
+    """At most one epoch commits each version of each fragment, and a fragment's
+    commits never go back to an older epoch (a deposed leader's late write)."""
+    first: dict[tuple[int, int], Event] = {}
+    newest: dict[int, Event] = {}
+    violations = []
+    for commit in _coordinator(events, "commit"):
+        if not commit.has("epoch"):
+            continue
+        p, v, epoch = commit.integer("fragment"), commit.integer("version"), commit.integer("epoch")
+        earlier = first.setdefault((p, v), commit)
+        if earlier.integer("epoch") != epoch:
+            violations.append(_Violation(
+                f"fragment {p} v{v} committed under epoch {earlier.get('epoch')} "
+                f"(#{earlier.index}) and epoch {epoch} (#{commit.index})",
+                (earlier.index, commit.index)))
+        before = newest.get(p)
+        if before is not None and before.integer("epoch") > epoch:
+            violations.append(_Violation(
+                f"fragment {p} committed v{v} under epoch {epoch} (#{commit.index}) after "
+                f"epoch {before.get('epoch')} had (#{before.index})",
+                (before.index, commit.index)))
+        else:
+            newest[p] = commit
+    epochs = sorted({e.integer("epoch") for e in newest.values()})
+    return _result("no_split_brain", violations,
+                   f"{len(first)} fragment versions, each committed under one epoch "
+                   f"(epochs at the end: {epochs})",
+                   "split brain", {"versions": len(first)})
+
+
+def failover_within(events: Sequence[Event], bound_s: float) -> CheckResult:
+    """After each leader fault, a newer epoch commits within `bound_s`.
+
+    The harness logs the leader's epoch with each injection; the failover ends
+    at the first `commit` of a higher epoch at or after the injection."""
+    commits = [c for c in _coordinator(events, "commit") if c.has("epoch")]
+    violations = []
+    seconds: list[float] = []
+    for fault in events:
+        if not (fault.source == HARNESS and fault.kind == "fault"
+                and fault.get("action") == "inject" and fault.has("epoch")):
+            continue
+        epoch = fault.integer("epoch")
+        after = next((c for c in commits
+                      if c.integer("epoch") > epoch and c.t >= fault.t), None)
+        if after is None:
+            violations.append(_Violation(
+                f"{fault.get('fault')} of {fault.get('target')} (#{fault.index}, epoch {epoch}): "
+                f"no commit under a newer epoch followed", (fault.index,)))
+            continue
+        took = after.t - fault.t
+        seconds.append(took)
+        if took > bound_s:
+            violations.append(_Violation(
+                f"{fault.get('fault')} of {fault.get('target')} (#{fault.index}): first commit "
+                f"of epoch {after.get('epoch')} (#{after.index}) {took:.2f}s later",
+                (fault.index, after.index)))
+    details = {"failover_s": [round(x, 3) for x in seconds], "bound_s": bound_s}
+    if not seconds and not violations:
+        return CheckResult("failover_within", True, "no leader faults injected", [], details)
+    return _result("failover_within", violations,
+                   f"{len(seconds)} failovers, longest {max(seconds):.2f}s <= {bound_s:g}s"
+                   if seconds else "", f"failover longer than {bound_s:g}s", details)
 
 
 # -- liveness -------------------------------------------------------------------------------
@@ -473,6 +550,11 @@ def run_all(events: Sequence[Event], config: CheckConfig | None = None) -> list[
         ("acknowledged_settled", lambda: acknowledged_settled(events)),
         ("versions_monotonic", lambda: versions_monotonic(events)),
     ]
+    if any(e.kind == "commit" and e.source == COORDINATOR and e.has("epoch") for e in events):
+        checks.append(("no_split_brain", lambda: no_split_brain(events)))
+    failover_bound = config.max_failover_s
+    if failover_bound is not None:
+        checks.append(("failover_within", lambda: failover_within(events, failover_bound)))
     bound = config.max_blocked_s
     if bound is not None:
         checks.append(("no_learner_blocked", lambda: no_learner_blocked(events, bound)))

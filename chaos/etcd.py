@@ -87,11 +87,19 @@ class EtcdCluster:
         return [m.endpoint for m in self.members]
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
-        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for member in self.members:
-            self._launch(member, initial)
+            self._launch(member, "new")
         self.wait_healthy(timeout)
         return self
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Start a stopped member again on its data directory and ports: it
+        rejoins the cluster it belongs to and catches up from the others."""
+        member = self.members[index]
+        if member.running:
+            raise RuntimeError(f"etcd member {member.name} is still running")
+        self._launch(member, "existing")
+        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -116,7 +124,8 @@ class EtcdCluster:
         for member in self.members:
             member.stop()
 
-    def _launch(self, member: EtcdMember, initial: str) -> None:
+    def _launch(self, member: EtcdMember, state: str) -> None:
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         member.data_dir.mkdir(parents=True, exist_ok=True)
         client_url = f"http://{member.endpoint}"
         with open(self.root / f"etcd-{member.name}.log", "ab") as log:
@@ -125,7 +134,7 @@ class EtcdCluster:
                  "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                  "--listen-peer-urls", member.peer_url,
                  "--initial-advertise-peer-urls", member.peer_url,
-                 "--initial-cluster", initial, "--initial-cluster-state", "new",
+                 "--initial-cluster", initial, "--initial-cluster-state", state,
                  "--initial-cluster-token", f"ftsync-{self.root.name}",
                  "--log-level", "warn", "--unsafe-no-fsync"],
                 stdout=log, stderr=log)

@@ -19,10 +19,13 @@ from coordinator.config import ConfigError, load
 FaultKind = Literal[
     "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
     "latency", "bandwidth", "reset_connections", "adversary",
+    "kill_leader", "pause_leader", "partition_leader_from_etcd", "kill_etcd_member",
 ]
 LEARNER_FAULTS = {"kill_learner", "pause_learner", "straggle", "partition_learner",
                   "latency", "bandwidth", "reset_connections"}
 NETWORK_FAULTS = {"partition_learner", "latency", "bandwidth", "reset_connections"}
+# Faults on the replica that leads a highly available synchronizer.
+LEADER_FAULTS = {"kill_leader", "pause_leader", "partition_leader_from_etcd"}
 ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
 
 
@@ -34,10 +37,35 @@ class CoordinatorSpec:
     min_quorum: int = 1
     # Any further coordinator settings, as `--set key=value` (e.g. "outer.lr" = 0.3).
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # More than one: a highly available synchronizer on etcd (needs [etcd] members).
+    replicas: int = 1
+    # Each replica reaches etcd through its own fault proxy, so the leader can
+    # be cut off from etcd while its learners still reach it.
+    etcd_proxies: bool = False
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
             raise ValueError(f"coordinator.min_quorum must be at least 1 (got {self.min_quorum})")
+        if self.replicas < 1:
+            raise ValueError(f"coordinator.replicas must be at least 1 (got {self.replicas})")
+
+    @property
+    def run(self) -> str:
+        """The run's name in etcd (the replicas' `ha.run`)."""
+        return str(self.settings.get("ha.run", "default"))
+
+
+@dataclass(frozen=True)
+class EtcdSpec:
+    # Members of the local etcd cluster (0: none, the embedded membership).
+    members: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.members <= 7:
+            raise ValueError(f"etcd.members must be 0..7 (got {self.members})")
+
+    def ids(self) -> list[str]:
+        return [f"m{i}" for i in range(self.members)]
 
 
 @dataclass(frozen=True)
@@ -53,6 +81,12 @@ class LearnerSpec:
     threads: int = 1
     # Further ftsync-learner flags, passed as they are.
     args: list[str] = field(default_factory=list)
+    # How learners find a replicated synchronizer: "addresses" (every replica,
+    # following redirects) or "etcd" (the leader record). "direct": the one coordinator.
+    discovery: Literal["direct", "addresses", "etcd"] = "direct"
+    # Every learner serves its fragments to the others, and a restarted learner
+    # catches up from them (the coordinator serves what no peer holds).
+    peers: bool = False
 
     def __post_init__(self) -> None:
         for key in ("count", "steps", "sync_every", "fragments", "overlap", "threads"):
@@ -85,6 +119,9 @@ class FaultSpec:
     duty: float = 1 / 3
     # adversary: what the corrupt learner sends.
     adversary: list[str] = field(default_factory=lambda: list(ADVERSARY_KINDS))
+    # kill_leader: "grace" waits (up to 10 s) for a round's grace window to open;
+    # kill_learner: "push" waits (up to 10 s) until the learner is in a push.
+    during: Literal["any", "grace", "push"] = "any"
 
     def __post_init__(self) -> None:
         when = [k for k in ("at_s", "every_s", "mtbf_s") if getattr(self, k) is not None]
@@ -99,6 +136,13 @@ class FaultSpec:
         if self.kind == "kill_coordinator" and self.target not in ("coordinator", "random"):
             raise ValueError(f"target of kill_coordinator must be 'coordinator' "
                              f"(got {self.target!r})")
+        if self.kind in LEADER_FAULTS and self.target not in ("leader", "random"):
+            raise ValueError(f"target of {self.kind} is always the leader "
+                             f"(got {self.target!r}; leave it out or write 'leader')")
+        needs = {"grace": "kill_leader", "push": "kill_learner"}.get(self.during, self.kind)
+        if self.kind != needs:
+            raise ValueError(f"during = {self.during!r} applies to {needs} only "
+                             f"(kind is {self.kind!r})")
         if self.kind in LEARNER_FAULTS and self.target == "coordinator":
             raise ValueError(f"target of {self.kind} must be a learner id or 'random'")
         if not 0 < self.duty < 1:
@@ -120,6 +164,8 @@ class ChecksSpec:
     loss_must_drop: bool = True
     # Width of the windows uptime is counted in.
     window_s: float = 2.0
+    # From each leader fault to the first commit of a newer epoch (0: not checked).
+    max_failover_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +177,7 @@ class Experiment:
     # Put a fault-injecting TCP proxy between every learner and the coordinator.
     proxy: bool = True
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec)
+    etcd: EtcdSpec = field(default_factory=EtcdSpec)
     learners: LearnerSpec = field(default_factory=LearnerSpec)
     faults: list[FaultSpec] = field(default_factory=list)
     checks: ChecksSpec = field(default_factory=ChecksSpec)
@@ -145,6 +192,50 @@ class Experiment:
                                  f"this experiment ({', '.join(sorted(ids))} or 'random')")
             if fault.kind in NETWORK_FAULTS and not self.proxy:
                 raise ValueError(f"faults.{i}.kind {fault.kind!r} needs proxy = true")
+            self._check_ha_fault(i, fault)
+        self._check_ha_topology()
+
+    @property
+    def highly_available(self) -> bool:
+        return self.coordinator.replicas > 1
+
+    def _check_ha_topology(self) -> None:
+        replicas, discovery = self.coordinator.replicas, self.learners.discovery
+        if replicas > 1 and self.etcd.members < 1:
+            raise ValueError(f"coordinator.replicas = {replicas} needs an etcd "
+                             f"([etcd] members = 1 or 3)")
+        if replicas > 1 and discovery == "direct":
+            raise ValueError("learners.discovery must be 'addresses' or 'etcd' when "
+                             "coordinator.replicas > 1")
+        if replicas == 1 and discovery != "direct":
+            raise ValueError(f"learners.discovery = {discovery!r} needs coordinator.replicas "
+                             f"> 1")
+        if replicas > 1 and self.proxy:
+            raise ValueError("proxy = true puts one proxy in front of one coordinator; "
+                             "set proxy = false with coordinator.replicas > 1")
+        if self.coordinator.etcd_proxies and replicas == 1:
+            raise ValueError("coordinator.etcd_proxies needs coordinator.replicas > 1")
+        if replicas > 1 and self.coordinator.mode == "sync":
+            raise ValueError("coordinator.mode = 'sync' is a single-coordinator baseline")
+
+    def _check_ha_fault(self, i: int, fault: FaultSpec) -> None:
+        if fault.kind in LEADER_FAULTS and not self.highly_available:
+            raise ValueError(f"faults.{i}.kind {fault.kind!r} needs coordinator.replicas > 1")
+        if fault.kind == "partition_leader_from_etcd" and not self.coordinator.etcd_proxies:
+            raise ValueError(f"faults.{i}.kind 'partition_leader_from_etcd' needs "
+                             f"coordinator.etcd_proxies = true")
+        if fault.kind == "kill_coordinator" and self.highly_available:
+            raise ValueError(f"faults.{i}.kind 'kill_coordinator' is for a single "
+                             f"coordinator; use 'kill_leader' with replicas")
+        if fault.kind == "adversary" and self.highly_available:
+            raise ValueError(f"faults.{i}.kind 'adversary' needs a single coordinator")
+        if fault.kind == "kill_etcd_member":
+            members = self.etcd.ids()
+            if not members:
+                raise ValueError(f"faults.{i}.kind 'kill_etcd_member' needs [etcd] members")
+            if fault.target not in (*members, "random"):
+                raise ValueError(f"faults.{i}.target {fault.target!r} is not an etcd member "
+                                 f"({', '.join(members)} or 'random')")
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -175,7 +266,11 @@ def schedule(experiment: Experiment) -> list[Action]:
     for fault in experiment.faults:
         for n, start in enumerate(_occurrences(fault, horizon, rng)):
             target = fault.target
-            if target == "random":
+            if fault.kind in LEADER_FAULTS:
+                target = "leader"
+            elif fault.kind == "kill_etcd_member" and target == "random":
+                target = rng.choice(experiment.etcd.ids())
+            elif target == "random":
                 target = ("coordinator" if fault.kind == "kill_coordinator"
                           else rng.choice(experiment.learners.ids()))
             if fault.kind == "adversary":

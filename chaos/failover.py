@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from chaos.checkers import CheckResult
 from chaos.local import CoordinatorProcess
 from learner.client import Refused, SynchronizerClient
 
@@ -50,14 +51,17 @@ class ReplicaSet:
     etcd: list[str]
     count: int = 2
     args: list[str] = field(default_factory=list)
+    # Per replica, the endpoints it reaches etcd at (its own fault proxies);
+    # empty: every replica uses `etcd`.
+    replica_etcd: list[list[str]] = field(default_factory=list)
     replicas: list[CoordinatorProcess] = field(default_factory=list)
     _tails: dict[Path, Tail] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.replicas = [
             CoordinatorProcess(state_dir=self.root / f"replica{i}", args=[
-                "--etcd", ",".join(self.etcd), "--replica-id", f"r{i}",
-                "--event-log", str(self.event_log(i)), *self.args])
+                "--etcd", ",".join(self.replica_etcd[i] if self.replica_etcd else self.etcd),
+                "--replica-id", f"r{i}", "--event-log", str(self.event_log(i)), *self.args])
             for i in range(self.count)]
 
     def start(self) -> ReplicaSet:
@@ -66,8 +70,10 @@ class ReplicaSet:
         return self
 
     def stop(self) -> None:
-        for replica in self.replicas:
-            replica.stop()
+        """Standbys first, so that none takes over from a leader shutting down."""
+        roles = self.roles()
+        for index in sorted(range(self.count), key=lambda i: roles[i][0] == "leader"):
+            self.replicas[index].stop()
 
     @property
     def addresses(self) -> str:
@@ -266,6 +272,31 @@ def audit(state_dirs: list[Path], coordinator_logs: list[Path],
     doubled = sorted(c for c, n in counts.items() if n > 1)
     return Audit(merged=len(counts), doubled=doubled, lost=lost, split_brain=split_brain,
                  overwritten=overwritten)
+
+
+def audit_check(root: Path, replicas: int, learner_logs: list[Path]) -> CheckResult:
+    """The audit of a chaos run's replicas (`replicaI/` and `replicaI.events.jsonl`
+    under `root`) as a check: exactly-once against the published history."""
+    logs = [root / f"replica{i}.events.jsonl" for i in range(replicas)]
+    missing = [str(log) for log in logs if not log.exists()]
+    if missing:
+        return CheckResult("exactly_once_replicas", False,
+                           f"no event log from replica(s): {', '.join(missing)}")
+    result = audit([root / f"replica{i}" for i in range(replicas)], logs, learner_logs)
+    details: dict[str, Any] = {
+        "merged": result.merged, "lost": [list(c) for c in result.lost[:50]],
+        "doubled": [list(c) for c in result.doubled[:50]],
+        "split_brain": [list(k) for k in result.split_brain[:50]],
+        "overwritten": [list(k) for k in result.overwritten[:50]]}
+    if result.ok:
+        return CheckResult("exactly_once_replicas", True,
+                           f"{result.merged} contributions in the published history, each "
+                           f"once; none acknowledged and lost", [], details)
+    problems = [f"{len(items)} {what} (first {items[0]})" for what, items in (
+        ("lost", result.lost), ("doubled", result.doubled),
+        ("split-brain versions", result.split_brain),
+        ("published versions overwritten", result.overwritten)) if items]
+    return CheckResult("exactly_once_replicas", False, "; ".join(problems), [], details)
 
 
 def first_commit_after(logs: list[Path], epoch_above: int, after_t: float) -> float | None:

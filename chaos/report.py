@@ -185,6 +185,7 @@ def _learner_table(events: Sequence[Event]) -> dict[str, dict[str, Any]]:
     evals: dict[str, list[float]] = defaultdict(list)
     starts: Counter[str] = Counter()
     unsent: Counter[str] = Counter()
+    catch_ups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         if e.source == COORDINATOR and e.kind == "push_ack":
             acked[e.learner].add((e.integer("fragment"), e.integer("seq")))
@@ -201,6 +202,12 @@ def _learner_table(events: Sequence[Event]) -> dict[str, dict[str, Any]]:
             evals[e.learner].append(e.number("loss"))
         elif e.kind == "push_unsent":
             unsent[e.learner] += 1
+        elif e.kind == "catch_up":
+            sources = e.get("sources")
+            sources = sources if isinstance(sources, dict) else {}
+            catch_ups[e.learner].append({
+                "seconds": e.number("seconds"), "fragments": len(sources),
+                "from_peers": sum(1 for source in sources.values() if source != "coordinator")})
     table = {}
     for lid in learner_ids(events):
         losses = evals.get(lid, [])
@@ -208,7 +215,8 @@ def _learner_table(events: Sequence[Event]) -> dict[str, dict[str, Any]]:
                       "eval_end": losses[-1] if len(losses) > 1 else None,
                       "acknowledged": len(acked.get(lid, ())), "merged": merged[lid],
                       "dropped": dict(dropped.get(lid, {})), "push_unsent": unsent[lid],
-                      "restarts": max(starts[lid] - 1, 0)}
+                      "restarts": max(starts[lid] - 1, 0),
+                      "catch_ups": catch_ups.get(lid, [])}
     return table
 
 
@@ -222,7 +230,7 @@ def _final_versions(events: Sequence[Event]) -> dict[int, int]:
         elif e.kind == "commit":
             p = e.integer("fragment")
             versions[p] = max(versions.get(p, 0), e.integer("version"))
-        elif e.kind == "resume":
+        elif e.kind in ("resume", "elected"):
             for p, v in versions_of(e).items():
                 versions[p] = max(versions.get(p, v), v)
     return versions
@@ -298,7 +306,7 @@ def _plot_versions(events: Sequence[Event], spans: Sequence[FaultSpan], t0: floa
             series[e.integer("fragment")].append((e.t - t0, 0))
         elif e.kind == "commit":
             series[e.integer("fragment")].append((e.t - t0, e.integer("version")))
-        elif e.kind == "resume":
+        elif e.kind in ("resume", "elected"):
             for p, v in versions_of(e).items():
                 series[p].append((e.t - t0, v))
     for p in sorted(series):
@@ -406,13 +414,16 @@ def _markdown(summary: dict[str, Any], results: Sequence[CheckResult]) -> str:
             for f in summary["faults_skipped"])]
     lines += ["", "## Learners", "",
               "| learner | eval start | eval end | acknowledged | merged | dropped | restarts "
-              "| goodput |", "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+              "| catch-ups after restarts | goodput |",
+              "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |"]
     for lid, row in summary["learners"].items():
         dropped = ", ".join(f"{k}: {v}" for k, v in sorted(row["dropped"].items())) or "0"
         lg = g["per_learner"].get(lid)
+        caught = "; ".join(f"{c['seconds']:.2f} s, {c['from_peers']}/{c['fragments']} "
+                           f"fragments from peers" for c in row["catch_ups"][1:]) or "-"
         lines.append(f"| {lid} | {_cell(row['eval_start'])} | {_cell(row['eval_end'])} | "
                      f"{row['acknowledged']} | {row['merged']} | {dropped} | {row['restarts']} "
-                     f"| {_cell(lg['goodput'] if lg else None)} |")
+                     f"| {caught} | {_cell(lg['goodput'] if lg else None)} |")
     lines += ["", "## Plots", "",
               "Dashed lines mark when a fault was injected, shading how long it lasted.", "",
               "![Learner loss over time](loss.png)", "",

@@ -6,6 +6,11 @@ and stops everything it started — also on Ctrl-C or its own crash. Every
 process writes its own JSONL event log; the harness logs its faults and
 process starts/exits, then merges all of them into `events.jsonl`, the one
 history the checkers and the report read.
+
+A highly available topology adds an etcd cluster (`chaos.etcd`), started
+first and stopped last, and runs the coordinator as replicas
+(`chaos.failover.ReplicaSet`), optionally each behind its own proxy to etcd;
+leader faults find the leader by asking every replica its role.
 """
 
 from __future__ import annotations
@@ -21,15 +26,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from chaos.experiment import Action, Experiment, schedule
+from chaos.etcd import EtcdCluster, free_port
+from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
+from chaos.failover import ReplicaSet, Tail
 from chaos.local import CoordinatorProcess
 from chaos.proxy import ThreadedProxy
+from protos import ftsync_pb2 as pb
 from protos.events import EventLog
+
+# How long a kill waits for its moment (during = "grace" or "push").
+_MOMENT_WAIT_S = 10.0
 
 _PROGRESS = re.compile(r" step (\d+) loss (\S+)")
 
@@ -50,6 +62,8 @@ class LearnerSlot:
     loss: str = "-"
     exit_codes: list[int] = field(default_factory=list)
     straggler: threading.Event | None = None
+    # Where it serves its fragments to peers (learners.peers), kept across restarts.
+    peer_port: int = 0
 
     @property
     def running(self) -> bool:
@@ -64,16 +78,27 @@ class ProcessCluster:
         self.out = out
         self.events = EventLog(str(out / "harness.events.jsonl"), source="harness")
         spec = experiment.coordinator
-        args = ["--event-log", str(out / "coordinator.events.jsonl")]
+        args: list[str] = []
         if spec.mode == "sync":
             args += ["--sync-mode", str(experiment.learners.count)]
         else:
             args += ["--min-quorum", str(spec.min_quorum)]
         for key, value in spec.settings.items():
             args += ["--set", f"{key}={value}"]
-        self.coordinator = CoordinatorProcess(state_dir=out / "state", args=args)
+        # Shared by a single coordinator and by replicas (each with its own event log).
+        self.coordinator_args = args
+        self.coordinator = CoordinatorProcess(state_dir=out / "state", args=[
+            "--event-log", str(out / "coordinator.events.jsonl"), *args])
         self.coordinator_up = False
-        self.learners = [LearnerSlot(lid, i, out / f"{lid}.events.jsonl")
+        self.etcd = (EtcdCluster(out / "etcd", experiment.etcd.members)
+                     if experiment.etcd.members else None)
+        # Per replica, its proxies to the etcd members (coordinator.etcd_proxies).
+        self.etcd_proxies: list[list[ThreadedProxy]] = []
+        self.replicas: ReplicaSet | None = None
+        # The replica each leader fault hit, so that its heal reaches the same one.
+        self._leader_hit: dict[tuple[int, int], int] = {}
+        self.learners = [LearnerSlot(lid, i, out / f"{lid}.events.jsonl",
+                                     peer_port=free_port() if experiment.learners.peers else 0)
                          for i, lid in enumerate(experiment.learners.ids())]
         self.adversaries: list[subprocess.Popen[str]] = []
         self._skipped: set[tuple[int, int]] = set()
@@ -81,17 +106,63 @@ class ProcessCluster:
     # -- processes -------------------------------------------------------------
 
     def start(self) -> None:
-        self.coordinator.start()
-        self.coordinator_up = True
-        self._started("coordinator", "coordinator", self.coordinator.process)
+        if self.etcd is not None:
+            self.etcd.start()
+            for member in self.etcd.members:
+                self._started("etcd", member.name, member.process)
+        if self.experiment.highly_available:
+            self._start_replicas()
+        else:
+            self.coordinator.start()
+            self.coordinator_up = True
+            self._started("coordinator", "coordinator", self.coordinator.process)
         for slot in self.learners:
             if self.experiment.proxy:
                 slot.proxy = ThreadedProxy(self.coordinator.address)
                 slot.proxy.start()
             self.start_learner(slot, self.experiment.learners.steps)
 
+    def _start_replicas(self) -> None:
+        assert self.etcd is not None
+        spec = self.experiment.coordinator
+        if spec.etcd_proxies:
+            for _ in range(spec.replicas):
+                proxies = [ThreadedProxy(endpoint) for endpoint in self.etcd.endpoints]
+                for proxy in proxies:
+                    proxy.start()
+                self.etcd_proxies.append(proxies)
+        self.replicas = ReplicaSet(
+            self.out, self.etcd.endpoints, count=spec.replicas, args=self.coordinator_args,
+            replica_etcd=[[f"127.0.0.1:{p.port}" for p in proxies]
+                          for proxies in self.etcd_proxies])
+        for i, replica in enumerate(self.replicas.replicas):
+            replica.start()
+            self._started("replica", f"r{i}", replica.process)
+        index, epoch = self.replicas.leader(timeout=60)
+        self.events.emit("leader", replica=f"r{index}", epoch=epoch)
+
     def learner_address(self, slot: LearnerSlot) -> str:
-        return f"127.0.0.1:{slot.proxy.port}" if slot.proxy else self.coordinator.address
+        if slot.proxy is not None:
+            return f"127.0.0.1:{slot.proxy.port}"
+        if self.replicas is None:
+            return self.coordinator.address
+        if self.experiment.learners.discovery == "etcd":
+            assert self.etcd is not None
+            return f"etcd://{','.join(self.etcd.endpoints)}/{self.experiment.coordinator.run}"
+        return self.replicas.addresses
+
+    def leader_status(self, timeout: float = 1.0) -> pb.StatusResponse | None:
+        """The leading coordinator's status, or None while none answers as leader."""
+        candidates = (self.replicas.replicas if self.replicas is not None
+                      else [self.coordinator] if self.coordinator_up else [])
+        for coordinator in candidates:
+            try:
+                status = coordinator.status(timeout=timeout)
+            except Exception:  # down, paused or restarting: grpc raises many kinds
+                continue
+            if status.role in ("", "leader"):
+                return status
+        return None
 
     def start_learner(self, slot: LearnerSlot, steps: int) -> None:
         spec = self.experiment.learners
@@ -104,6 +175,10 @@ class ProcessCluster:
             "--compression", spec.compression, "--threads", str(spec.threads),
             "--seed", str(self.experiment.seed), "--progress-every", "10",
             "--event-log", str(slot.log), *spec.args]
+        if slot.peer_port:
+            command += ["--serve-peers", f"127.0.0.1:{slot.peer_port}"] + [
+                arg for other in self.learners if other is not slot
+                for arg in ("--peers", f"127.0.0.1:{other.peer_port}")]
         if self.experiment.coordinator.mode == "sync":
             command.append("--lockstep")
         slot.process = subprocess.Popen(
@@ -130,7 +205,7 @@ class ProcessCluster:
             if slot.state == "running":
                 slot.state = "done" if code == 0 else f"exited {code}"
 
-    def _started(self, role: str, name: str, process: subprocess.Popen[str] | None) -> None:
+    def _started(self, role: str, name: str, process: subprocess.Popen[Any] | None) -> None:
         self.events.emit("process_start", role=role, name=name,
                          pid=process.pid if process else None)
 
@@ -154,6 +229,8 @@ class ProcessCluster:
         if kind == "kill_learner" and slot is not None:
             if not action.heal:
                 assert slot.process is not None
+                if fault.during == "push":
+                    detail = self._await_push(slot)
                 slot.state = "killed"
                 slot.process.kill()
             else:
@@ -189,11 +266,99 @@ class ProcessCluster:
         elif kind == "adversary":
             if not action.heal:
                 self._start_adversary(target, fault.adversary, fault.duration_s)
+        elif kind in LEADER_FAULTS:
+            self._leader_fault(action, occurrence)
+            return
+        elif kind == "kill_etcd_member":
+            detail = self._etcd_fault(target, action.heal)
         elif slot is not None and slot.proxy is not None:
             detail = self._network(slot, kind, action.heal, fault.latency_ms,
                                    fault.bandwidth_bytes_s)
         self.events.emit("fault", fault=kind, target=target,
                          action="heal" if action.heal else "inject", detail=detail)
+
+    def _leader_fault(self, action: Action, occurrence: tuple[int, int]) -> None:
+        """Kill, pause or cut off from etcd the replica leading now; heal that one."""
+        assert self.replicas is not None
+        kind = action.fault.kind
+        if action.heal:
+            index = self._leader_hit.pop(occurrence, None)
+            if index is None:
+                return  # its injection was skipped
+            replica = self.replicas.replicas[index]
+            if kind == "kill_leader":
+                replica.start()
+                self._started("replica", f"r{index}", replica.process)
+            elif kind == "pause_leader":
+                replica.resume()
+            else:
+                for proxy in self.etcd_proxies[index]:
+                    proxy.heal()
+            self.events.emit("fault", fault=kind, target=f"r{index}", action="heal", detail="")
+            return
+        try:
+            index, epoch = self.replicas.leader(timeout=10)
+        except TimeoutError:
+            self.events.emit("fault_skipped", fault=kind, target="leader", action="inject",
+                             reason="no replica answered as leader within 10 s")
+            return
+        detail = ""
+        if action.fault.during == "grace":
+            detail = ("in a grace window" if self._await_grace(index)
+                      else f"no grace window seen in {_MOMENT_WAIT_S:g} s")
+        replica = self.replicas.replicas[index]
+        if kind == "kill_leader":
+            replica.kill()
+        elif kind == "pause_leader":
+            replica.pause()
+        else:
+            for proxy in self.etcd_proxies[index]:
+                proxy.partition()
+        self._leader_hit[occurrence] = index
+        # The epoch lets the checker time the failover to the next epoch's first commit.
+        self.events.emit("fault", fault=kind, target=f"r{index}", action="inject",
+                         detail=detail, epoch=epoch)
+
+    def _await_grace(self, index: int) -> bool:
+        """Until replica `index` shows a round in its grace window (or the wait ends)."""
+        assert self.replicas is not None
+        deadline = time.monotonic() + _MOMENT_WAIT_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # a status poll racing a fault
+                status = self.replicas.replicas[index].status(timeout=0.5)
+                if any(f.grace_left_s > 0 for f in status.fragments):
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def _await_push(self, slot: LearnerSlot) -> str:
+        """Until the learner's log shows a push invoked and not yet answered (or the
+        wait ends); says which, so a checker can look for what it left behind."""
+        log = Tail(slot.log)
+        deadline = time.monotonic() + _MOMENT_WAIT_S
+        while time.monotonic() < deadline:
+            open_pushes: dict[tuple[int, int], None] = {}
+            for event in log.read():
+                key = (event.get("fragment", -1), event.get("seq", -1))
+                if event["kind"] == "push_invoke":
+                    open_pushes[key] = None
+                elif event["kind"] in ("push_ack", "push_unsent", "dropped", "merged"):
+                    open_pushes.pop(key, None)
+            if open_pushes:
+                fragment, seq = list(open_pushes)[-1]
+                return f"mid-push of fragment {fragment} seq {seq}"
+            time.sleep(0.005)
+        return f"no push in flight within {_MOMENT_WAIT_S:g} s"
+
+    def _etcd_fault(self, target: str, heal: bool) -> str:
+        assert self.etcd is not None
+        index = int(target.removeprefix("m"))
+        if heal:
+            self.etcd.restart(index)
+            self._started("etcd", target, self.etcd.members[index].process)
+            return "restarted on its data directory"
+        self.etcd.kill(index)
+        return ""
 
     def _network(self, slot: LearnerSlot, kind: str, heal: bool, latency_ms: float,
                  bandwidth: int) -> str:
@@ -259,10 +424,16 @@ class ProcessCluster:
                 self.coordinator.start()  # bring it back so its state is read cleanly
         self.coordinator.stop()
         self.coordinator_up = False
+        if self.replicas is not None:
+            self.replicas.stop()
+        for proxy in [p for proxies in self.etcd_proxies for p in proxies] + [
+                s.proxy for s in self.learners if s.proxy is not None]:
+            proxy.stop()
+        self.etcd_proxies = []
         for slot in self.learners:
-            if slot.proxy is not None:
-                slot.proxy.stop()
-                slot.proxy = None
+            slot.proxy = None
+        if self.etcd is not None:
+            self.etcd.stop()
         self.events.emit("run_end", reason=reason)
         self.events.close()
 
@@ -336,14 +507,10 @@ def live_view(console: Console) -> tuple[Live, Callable[[ProcessCluster, float,
             table.add_column(column)
         for slot in cluster.learners:
             table.add_row(slot.learner_id, slot.state, str(slot.step), slot.loss)
-        versions = "coordinator down"
-        if cluster.coordinator_up:
-            try:
-                status = cluster.coordinator.status(timeout=1)
-                versions = "versions " + " ".join(
-                    f"{f.fragment}:{f.version}" for f in status.fragments)
-            except Exception:  # a status poll racing a restart
-                versions = "coordinator not answering"
+        status = cluster.leader_status()
+        versions = "no coordinator answering" if status is None else (
+            (f"leader {status.replica_id} epoch {status.epoch}  " if status.replica_id else "")
+            + "versions " + " ".join(f"{f.fragment}:{f.version}" for f in status.fragments))
         nxt = (f"next: {upcoming.fault.kind} {'heal' if upcoming.heal else 'inject'} "
                f"{upcoming.target} at {upcoming.at_s:.0f}s" if upcoming else "no more faults")
         live.update(Group(table, versions, nxt), refresh=True)

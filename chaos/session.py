@@ -14,6 +14,7 @@ from rich.console import Console
 
 from chaos.checkers import CheckConfig, run_all
 from chaos.experiment import load_experiment
+from chaos.failover import audit_check
 from chaos.history import load_log, write_events
 from chaos.report import write_report
 from chaos.runner import live_view, run_cluster
@@ -50,7 +51,10 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     results = run_all(events, CheckConfig(
         max_blocked_s=checks.max_blocked_s or None, min_goodput=checks.min_goodput,
         min_uptime=checks.min_uptime, loss_must_drop=checks.loss_must_drop,
-        window_s=checks.window_s))
+        window_s=checks.window_s, max_failover_s=checks.max_failover_s or None))
+    if experiment.highly_available:
+        results.append(audit_check(out, experiment.coordinator.replicas,
+                                   sorted(out.glob("learner-*.events.jsonl"))))
     report = write_report(events, results, out, experiment.name, window_s=checks.window_s,
                           skipped=log.skipped)
     for result in results:

@@ -609,3 +609,77 @@ def test_named_events_are_capped_and_results_serialize() -> None:
     assert result.details["violation_count"] == 30
     assert "and 27 more" in result.message
     json.dumps(result.to_json())
+
+
+# -- high availability ---------------------------------------------------------------------
+
+
+def ha_run() -> tuple[LogBuilder, int]:
+    """Fragment 0 committed at epochs 1 then 2, around a leader kill at t=10
+    (the harness logged epoch 1); returns the log and the kill's handle."""
+    log = healthy_run(end=30.0, pushes_until=8.0)
+    for record in log.records:
+        if record["kind"] == "commit":
+            record["epoch"] = 1
+    kill = log.harness(10.0, "fault", fault="kill_leader", target="r0", action="inject",
+                       detail="in a grace window", epoch=1)
+    log.coord(12.5, "elected", replica="r1", epoch=2, run_id="r",
+              versions={"0": log.version[0], "1": log.version[1]})
+    return log, kill
+
+
+def test_failover_is_timed_from_the_fault_to_the_newer_epochs_first_commit() -> None:
+    log, kill = ha_run()
+    first = log.commit(13.0, 0, log.version[0] + 1, [])
+    log.records[first]["epoch"] = 2
+    events = log.events()
+    assert checkers.failover_within(events, 4.0).passed
+    assert checkers.failover_within(events, 4.0).details["failover_s"] == [3.0]
+    slow = checkers.failover_within(events, 2.5)
+    assert not slow.passed
+    assert slow.events == [log.at(kill), log.at(first)]
+    assert "3.00s later" in slow.message
+
+
+def test_a_leader_fault_with_no_newer_epoch_committing_fails() -> None:
+    log, kill = ha_run()
+    same_epoch = log.commit(13.0, 0, log.version[0] + 1, [])  # no failover happened
+    log.records[same_epoch]["epoch"] = 1
+    result = checkers.failover_within(log.events(), 4.0)
+    assert not result.passed
+    assert result.events == [log.at(kill)]
+    assert "no commit under a newer epoch" in result.message
+
+
+def test_a_version_committed_under_two_epochs_is_split_brain() -> None:
+    log, _ = ha_run()
+    version = log.version[0] + 1
+    new = log.commit(13.0, 0, version, [])
+    log.records[new]["epoch"] = 2
+    assert checkers.no_split_brain(log.events()).passed
+    late = log.commit(13.5, 0, version, [])  # the deposed leader's late write
+    log.records[late]["epoch"] = 1
+    result = checkers.no_split_brain(log.events())
+    assert not result.passed
+    assert result.events == [log.at(new), log.at(late)]
+    assert "epoch 2" in result.message and "epoch 1" in result.message
+
+
+def test_an_election_that_loses_committed_versions_breaks_monotonic_versions() -> None:
+    log, _ = ha_run()
+    assert checkers.versions_monotonic(log.events()).passed
+    log.coord(20.0, "elected", replica="r0", epoch=3, run_id="r",
+              versions={"0": log.version[0] - 1, "1": log.version[1]})
+    result = checkers.versions_monotonic(log.events())
+    assert not result.passed
+    assert "resumed" in result.message
+
+
+def test_run_all_adds_the_ha_checks_when_commits_carry_epochs() -> None:
+    log, _ = ha_run()
+    first = log.commit(13.0, 0, log.version[0] + 1, [])
+    log.records[first]["epoch"] = 2
+    names = set(by_name(checkers.run_all(log.events(), checkers.CheckConfig(
+        max_failover_s=4.0))))
+    assert {"no_split_brain", "failover_within"} <= names
+    assert "no_split_brain" not in by_name(checkers.run_all(healthy_run().events()))

@@ -39,7 +39,8 @@ def test_shipped_experiments_load(path: Path) -> None:
 def test_the_shipped_set_is_complete() -> None:
     assert {p.stem for p in EXPERIMENTS} >= {
         "quickstart", "quickstart-sync", "learner-storm", "stragglers", "partition",
-        "adversarial", "coordinator-restart"}
+        "adversarial", "coordinator-restart", "ha-leader-kill", "ha-partition-leader",
+        "ha-etcd-member-kill"}
 
 
 @pytest.mark.parametrize(("fault", "needles"), [
@@ -112,3 +113,51 @@ def test_schedule_is_seeded_and_pairs_every_injection_with_a_heal(tmp_path: Path
     assert [a.at_s for a in pauses] == [30.0, 60.0]
     assert all(a.at_s < 100 for a in injections)
     assert [a.at_s for a in first] == sorted(a.at_s for a in first)
+
+
+HA = BASE.replace('name = "t"', 'name = "t"\nproxy = false') + (
+    '\n[etcd]\nmembers = 3\n\n[coordinator]\nreplicas = 2\n')
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    (HA.replace("members = 3", "members = 0"), "coordinator.replicas = 2 needs an etcd"),
+    (HA, "learners.discovery must be 'addresses' or 'etcd'"),
+    (BASE.replace("count = 3", 'count = 3\ndiscovery = "etcd"'),
+     "learners.discovery = 'etcd' needs coordinator.replicas > 1"),
+    (HA.replace("proxy = false", "proxy = true").replace("count = 3", 'count = 3\n'
+                                                         'discovery = "etcd"'),
+     "set proxy = false with coordinator.replicas > 1"),
+    (BASE + '\n[[faults]]\nkind = "kill_leader"\nat_s = 1\n',
+     "faults.0.kind 'kill_leader' needs coordinator.replicas > 1"),
+    (HA.replace("count = 3", 'count = 3\ndiscovery = "etcd"')
+     + '\n[[faults]]\nkind = "partition_leader_from_etcd"\nat_s = 1\n',
+     "needs coordinator.etcd_proxies = true"),
+    (HA.replace("count = 3", 'count = 3\ndiscovery = "etcd"')
+     + '\n[[faults]]\nkind = "kill_etcd_member"\ntarget = "m3"\nat_s = 1\n',
+     "faults.0.target 'm3' is not an etcd member (m0, m1, m2 or 'random')"),
+    (HA.replace("count = 3", 'count = 3\ndiscovery = "etcd"')
+     + '\n[[faults]]\nkind = "kill_coordinator"\nat_s = 1\n', "use 'kill_leader'"),
+    (HA.replace("count = 3", 'count = 3\ndiscovery = "etcd"')
+     + '\n[[faults]]\nkind = "pause_leader"\ntarget = "r1"\nat_s = 1\n',
+     "target of pause_leader is always the leader"),
+    (BASE + '\n[[faults]]\nkind = "kill_learner"\nduring = "grace"\nat_s = 1\n',
+     "applies to kill_leader only"),
+])
+def test_bad_high_availability_topology_or_fault(tmp_path: Path, text: str,
+                                                  needle: str) -> None:
+    assert needle in error_of(tmp_path, text)
+
+
+def test_leader_faults_target_the_leader_and_etcd_faults_a_seeded_member(
+        tmp_path: Path) -> None:
+    text = HA.replace("count = 3", 'count = 3\ndiscovery = "addresses"') + (
+        '\n[[faults]]\nkind = "kill_leader"\nduring = "grace"\nevery_s = 20\n'
+        '\n[[faults]]\nkind = "kill_etcd_member"\nevery_s = 30\n')
+    path = tmp_path / "exp.toml"
+    path.write_text(text)
+    actions = schedule(load_experiment(path))
+    assert {a.target for a in actions if a.fault.kind == "kill_leader"} == {"leader"}
+    members = [a.target for a in actions if a.fault.kind == "kill_etcd_member"]
+    assert members and set(members) <= {"m0", "m1", "m2"}
+    assert members == [a.target for a in schedule(load_experiment(path))
+                       if a.fault.kind == "kill_etcd_member"]
