@@ -197,7 +197,7 @@ async def commit_round(engine: Engine, learner: InProcessLearner,
     per_fragment = []
     for p in range(len(messages)):
         started = time.perf_counter()
-        await engine._close(p)
+        await engine._close(engine._policy(), engine._store(), p)
         per_fragment.append(time.perf_counter() - started)
     store = engine.store
     assert store is not None

