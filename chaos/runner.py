@@ -335,15 +335,18 @@ class ProcessCluster:
         """Until the learner's log shows a push invoked and not yet answered (or the
         wait ends); says which, so a checker can look for what it left behind."""
         log = Tail(slot.log)
+        open_pushes: dict[tuple[int, int], None] = {}
+        seen = 0
         deadline = time.monotonic() + _MOMENT_WAIT_S
         while time.monotonic() < deadline:
-            open_pushes: dict[tuple[int, int], None] = {}
-            for event in log.read():
+            events = log.read()
+            for event in events[seen:]:
                 key = (event.get("fragment", -1), event.get("seq", -1))
                 if event["kind"] == "push_invoke":
                     open_pushes[key] = None
                 elif event["kind"] in ("push_ack", "push_unsent", "dropped", "merged"):
                     open_pushes.pop(key, None)
+            seen = len(events)
             if open_pushes:
                 fragment, seq = list(open_pushes)[-1]
                 return f"mid-push of fragment {fragment} seq {seq}"

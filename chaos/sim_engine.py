@@ -538,7 +538,9 @@ class _FtsyncRun:
             f.deadline = math.inf  # the pull starts once the push is answered
             if not arriving:
                 self._await_version(t, g, p)
-            self.at(g.time_of(k + 2 * self.tau), _OTHER, self._fall_back, g, g.incarnation, p)
+            if f.ready_t < 0:  # still waiting
+                self.at(g.time_of(k + 2 * self.tau), _OTHER, self._fall_back, g, g.incarnation,
+                        p)
 
     def _fall_back(self, t: float, g: _Group, incarnation: int, p: int) -> None:
         """FragmentSync._fall_back: its own round slow to close, the pull takes the

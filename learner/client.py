@@ -265,7 +265,8 @@ class SynchronizerClient:
                 self.addresses.append(hint)
             self._current = self.addresses.index(hint)
         elif self._etcd is not None:
-            leader = await self._leader_in_etcd(avoid=before if failed else "")
+            leader = await _leader_from_etcd(*self._etcd, avoid=before if failed else "",
+                                             wait_s=_HEARTBEAT_DEADLINE_S)
             if leader and leader not in self.addresses:
                 self.addresses.append(leader)
             if leader:
@@ -285,19 +286,6 @@ class SynchronizerClient:
                 task = asyncio.get_running_loop().create_task(old.close(grace=None))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-
-    async def _leader_in_etcd(self, avoid: str) -> str:
-        """The leader etcd names. When that is `avoid`, the replica that just failed,
-        ask again for a while: a frozen or cut-off leader's record stays until its
-        lease expires, and calling it again would only wait out another deadline."""
-        assert self._etcd is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _HEARTBEAT_DEADLINE_S
-        while True:
-            leader = await _leader_from_etcd(*self._etcd)
-            if not avoid or leader != avoid or loop.time() >= deadline:
-                return leader
-            await asyncio.sleep(_ETCD_POLL_S)
 
     # -- pushes ---------------------------------------------------------------------
 
@@ -552,19 +540,30 @@ def _leader_named(error: grpc.aio.AioRpcError) -> str:
     return named.group(1) if named else ""
 
 
-async def _leader_from_etcd(endpoints: list[str], run: str) -> str:
-    """The leader's address as etcd has it; "" when none leads or etcd is unreachable."""
+async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
+                            wait_s: float = 0.0) -> str:
+    """The leader's address as etcd has it; "" when none leads or etcd is unreachable.
+
+    While it is `avoid` (a replica that just failed) it is read again, on the same
+    connection, for up to `wait_s`: a frozen or cut-off leader's record stays until
+    its lease expires, and calling that replica again would only wait out another
+    deadline."""
     import aetcd  # only learners that discover through etcd need it
 
     host, _, port = endpoints[random.randrange(len(endpoints))].rpartition(":")
     client = aetcd.Client(host=host, port=int(port), timeout=2)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
     try:
-        entry = await asyncio.wait_for(client.get(discovery.leader_key(run)), 3)
+        while True:
+            entry = await asyncio.wait_for(client.get(discovery.leader_key(run)), 3)
+            leader = ("" if entry is None else
+                      discovery.LeaderRecord.decode(entry.value, entry.create_revision).address)
+            if not avoid or leader != avoid or loop.time() >= deadline:
+                return leader
+            await asyncio.sleep(_ETCD_POLL_S)
     except (aetcd.ClientError, grpc.RpcError, TimeoutError):
         return ""
     finally:
         with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
             await asyncio.wait_for(client.close(), 2)
-    if entry is None:
-        return ""
-    return discovery.LeaderRecord.decode(entry.value, entry.create_revision).address

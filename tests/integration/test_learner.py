@@ -50,7 +50,7 @@ def test_merged_fragment_is_applied_overlap_steps_after_its_push_blended_by_alph
         for step in range(5, 5 + overlap + 1):
             train_step(model, opt)
             before = view.read(0)
-            time.sleep(0.2)  # the pull completes in the background meanwhile
+            wait_until(lambda: pull_arrived(learner, 0), message="the pull of v1")
             applied = learner.step(tokens=32)
             if applied:
                 applied_at = step
@@ -73,23 +73,13 @@ def test_a_push_is_answered_by_the_version_that_merges_it_not_an_earlier_one(
     with Learner(daemon.address, model, sync_every=4, fragments=1, overlap=1,
                  device="cpu", learner_id="slow") as learner:
         view = FragmentView(model, learner.plan)
-        numel = learner.plan.numels[0]
-
-        async def other_learner_commits_version_1() -> None:
-            other = SynchronizerClient(daemon.address, "fast", learner.plan.hash,
-                                       learner.plan.numels)
-            await other.join()
-            await other.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=0,
-                             c_tokens=32, c_steps=1, local_step=1)
-            await other.close()
-        asyncio.run(other_learner_commits_version_1())
-        wait_until(lambda: daemon.status().fragments[0].version == 1, message="v1 commit")
+        others_commit_version_1(daemon, learner, ["fast"])
         for _ in range(4):  # pushes with base version 0: merged into version 2
             train_step(model, opt)
             learner.step(tokens=32)
         wait_until(lambda: daemon.status().fragments[0].version == 2, message="v2 commit")
         global_v2 = asyncio.run(fetch_fragment(daemon, learner, 0))
-        time.sleep(0.5)  # the pull answers right after the commit
+        wait_until(lambda: pull_arrived(learner, 0), message="the pull of v2")
         train_step(model, opt)
         assert learner.step(tokens=32) == [0]
         assert learner.applied_versions[0] == 2
@@ -105,29 +95,42 @@ def test_a_push_whose_round_is_slow_to_close_falls_back_to_the_newest_version(
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Learner(daemon.address, model, sync_every=4, fragments=1, overlap=1,
                  device="cpu", learner_id="alone") as learner:
-        numel = learner.plan.numels[0]
-
-        async def two_others_commit_version_1() -> None:
-            for name in ("a", "b"):
-                other = SynchronizerClient(daemon.address, name, learner.plan.hash,
-                                           learner.plan.numels)
-                await other.join()
-                await other.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=0,
-                                 c_tokens=32, c_steps=1, local_step=1)
-                await other.close()
-        asyncio.run(two_others_commit_version_1())
-        wait_until(lambda: daemon.status().fragments[0].version == 1, message="v1 commit")
-        applied_at = None
-        for step in range(1, 12):
-            train_step(model, opt)
-            if learner.step(tokens=32):
-                applied_at = step
-                break
-            time.sleep(0.3)
+        others_commit_version_1(daemon, learner, ["a", "b"])
         # Pushed at step 4 into the round for v2, due at 5, fallen back at 6, applied at 7.
-        assert applied_at == 7
+        for step in range(1, 7):
+            train_step(model, opt)
+            assert learner.step(tokens=32) == [], step
+            if step == 5:
+                time.sleep(0.3)  # the round for v2 stays open: nothing to wait for
+                assert not pull_arrived(learner, 0)
+        wait_until(lambda: pull_arrived(learner, 0), message="the fall-back pull")
+        train_step(model, opt)
+        assert learner.step(tokens=32) == [0]
         assert learner.applied_versions[0] == 1
         assert daemon.status().fragments[0].version == 1  # its own round is still open
+
+
+def others_commit_version_1(daemon: Daemon, learner: Learner, names: list[str]) -> None:
+    """Learners `names` each push once against v0, and the daemon commits version 1."""
+    numel = learner.plan.numels[0]
+
+    async def push_all() -> None:
+        for name in names:
+            other = SynchronizerClient(daemon.address, name, learner.plan.hash,
+                                       learner.plan.numels)
+            await other.join()
+            await other.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=0,
+                             c_tokens=32, c_steps=1, local_step=1)
+            await other.close()
+    asyncio.run(push_all())
+    wait_until(lambda: daemon.status().fragments[0].version == 1, message="v1 commit")
+
+
+def pull_arrived(learner: Learner, fragment: int) -> bool:
+    """Whether the learner's outstanding pull of `fragment` has its answer (white box:
+    the background loop exposes no event for it)."""
+    pending = learner._sync.fragments[fragment].pending
+    return pending is not None and pending.done()
 
 
 async def fetch_fragment(daemon: Daemon, learner: Learner, fragment: int) -> np.ndarray:
