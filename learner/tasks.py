@@ -24,9 +24,10 @@ import itertools
 import math
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -116,6 +117,17 @@ def _check_shard(shard: int, num_shards: int) -> None:
 
 def _rng(seed: int, shard: int, num_shards: int) -> np.random.Generator:
     return np.random.default_rng([seed, shard, num_shards])
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _on_cpu_off_the_global_rng(factory: Callable[[], M]) -> M:
+    """Build modules on the CPU whose default initialisation the caller overwrites,
+    leaving the global RNG as it was, so a task's model depends on its seed alone and
+    training draws the same random numbers however the model was built."""
+    with torch.random.fork_rng(devices=[]):
+        return factory()
 
 
 def _init_weights(model: nn.Module, seed: int, residual_std: float = 0.02) -> None:
@@ -285,9 +297,7 @@ class StdlibLMTask(Task):
         return data
 
     def build_model(self) -> nn.Module:
-        with torch.device("meta"):
-            model = ByteGPT(self.config)
-        model.to_empty(device="cpu")
+        model = _on_cpu_off_the_global_rng(lambda: ByteGPT(self.config))
         _init_weights(model, self.seed,
                       residual_std=0.02 / math.sqrt(2 * self.config.layers))
         return model.to(self.device)
@@ -402,13 +412,14 @@ class DigitsTask(Task):
 
     def build_model(self) -> nn.Module:
         widths = (64, *self.config.hidden)
-        layers: list[nn.Module] = []
-        for a, b in itertools.pairwise(widths):
-            layers += [nn.Linear(a, b), nn.GELU()]
-        layers.append(nn.Linear(widths[-1], 10))
-        with torch.device("meta"):
-            model = nn.Sequential(*layers)
-        model.to_empty(device="cpu")
+
+        def mlp() -> nn.Sequential:
+            layers: list[nn.Module] = []
+            for a, b in itertools.pairwise(widths):
+                layers += [nn.Linear(a, b), nn.GELU()]
+            return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+        model = _on_cpu_off_the_global_rng(mlp)
         # Fan-in scaled (the 0.02 of transformers would starve a narrow MLP).
         generator = torch.Generator().manual_seed(self.seed)
         for module in model:

@@ -49,7 +49,11 @@ def test_same_seed_same_weights_and_batches(name: str) -> None:
     torch.manual_seed(123)  # the global RNG plays no part
     wa = state(a.build_model())
     torch.manual_seed(456)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(456)
     wb = state(b.build_model())
+    # Nor does building take from it: training's own draws stay as they were.
+    assert torch.equal(torch.rand(4), expected_draw)
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     other = state(tiny(name, seed=4).build_model())
