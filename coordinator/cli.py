@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--state-dir", help="directory for durable state")
         p.add_argument("--min-quorum", type=int, help="contributions needed to close a round")
         p.add_argument("--sync-mode", type=int, metavar="M",
-                       help="lock-step baseline: quorum M learners, no grace window")
+                       help="lock-step baseline: quorum M learners, no grace window, "
+                            "no stale contributions (overrides those keys of --set)")
         p.add_argument("--event-log", help="append JSONL events to this file")
         p.add_argument("--prometheus-port", type=int, help="serve /metrics on this port")
         p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT...]",
@@ -73,6 +74,13 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
     if args.sync_mode is not None:
         flags["policy.min_quorum"] = args.sync_mode
         flags["policy.grace_max_s"] = 0
+        # In lock-step every push is based on the version just published. One that is
+        # not missed its round (which closed without it: M others, an adversary among
+        # them, made quorum); merged into the next round it would put its learner a
+        # round out of phase with the others, and lock-step learners out of phase wait
+        # on each other. Refused as stale, its learner applies that version and is
+        # back in phase at its next push.
+        flags["policy.max_staleness"] = 0
     for key, value in flags.items():
         if value is not None:
             overrides[key] = _toml_literal(value)

@@ -110,6 +110,43 @@ def test_a_push_whose_round_is_slow_to_close_falls_back_to_the_newest_version(
         assert daemon.status().fragments[0].version == 1  # its own round is still open
 
 
+def test_a_lock_step_push_that_missed_its_round_is_refused_and_its_learner_stays_in_phase(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """`--sync-mode 2` with three participants: a and b make version 1 without the
+    lock-step learner, whose push against v0 is then refused as stale. It applies v1
+    and its next push, against v1, is the one that makes version 2 with a's."""
+    daemon = start_daemon("--sync-mode", "2")
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Learner(daemon.address, model, sync_every=4, fragments=1, overlap=1,
+                 lockstep=True, device="cpu", learner_id="late") as learner:
+        others_commit_version_1(daemon, learner, ["a", "b"])
+        for _ in range(4):  # the push at step 4 is against v0: one round late
+            train_step(model, opt)
+            learner.step(tokens=32)
+        train_step(model, opt)
+        assert learner.step(tokens=32) == [0]  # lock-step: waits for v1, applies it
+        assert learner.applied_versions[0] == 1
+        assert learner.client.stats.dropped == {"stale": 1}
+        for _ in range(3):  # the push at step 8 is against v1
+            train_step(model, opt)
+            learner.step(tokens=32)
+        numel = learner.plan.numels[0]
+
+        async def a_pushes_against_v1() -> None:
+            a = SynchronizerClient(daemon.address, "a", learner.plan.hash, learner.plan.numels)
+            await a.join()
+            await a.push(0, np.full(numel, 1e-2, dtype=np.float32), base_version=1,
+                         c_tokens=32, c_steps=1, local_step=5)
+            await a.close()
+        asyncio.run(a_pushes_against_v1())  # quorum 2: a's and late's, in either order
+        wait_until(lambda: daemon.status().fragments[0].version == 2, message="v2 commit")
+        train_step(model, opt)
+        assert learner.step(tokens=32) == [0]
+        assert learner.applied_versions[0] == 2
+        assert learner.client.stats.dropped == {"stale": 1}
+
+
 def others_commit_version_1(daemon: Daemon, learner: Learner, names: list[str]) -> None:
     """Learners `names` each push once against v0, and the daemon commits version 1."""
     numel = learner.plan.numels[0]

@@ -391,3 +391,12 @@ def test_etcd_flag_sets_the_endpoints() -> None:
     args = _parser().parse_args(["--etcd", "127.0.0.1:1,127.0.0.1:2", "--replica-id", "r1"])
     config = _config(args)
     assert config.ha.etcd == ("127.0.0.1:1", "127.0.0.1:2") and config.ha.replica_id == "r1"
+
+
+def test_sync_mode_flag_makes_lock_step_rounds_whatever_set_says() -> None:
+    from coordinator.cli import _config, _parser
+
+    args = _parser().parse_args(["--sync-mode", "4", "--set", "policy.max_staleness=32",
+                                 "--set", "policy.grace_max_s=0.5"])
+    policy = _config(args).policy
+    assert (policy.min_quorum, policy.grace_max_s, policy.max_staleness) == (4, 0.0, 0)

@@ -559,6 +559,24 @@ def test_sync_mode_stalls_with_a_dead_learner() -> None:
     assert policy.due(1e7) == []
 
 
+def test_sync_mode_refuses_a_push_that_missed_its_round() -> None:
+    # Lock-step as `--sync-mode 3` configures it; a fourth participant (an
+    # adversary, say) helps make quorum without c.
+    policy = three_learners(PolicyConfig(min_quorum=3, grace_max_s=0.0, max_staleness=0))
+    policy.join("x", 0.0)
+    for lid in ("a", "b", "x"):
+        contribute(policy, 1.0, lid, seq=1)
+    policy.close(0, 1.0)
+    before = snapshot(policy, 1.0)
+    with pytest.raises(Rejected) as info:
+        policy.admit(make_offer("c", seq=1, base=0), 1.0)
+    assert info.value.reason is Reason.STALE
+    assert snapshot(policy, 1.0) == before
+    # Having applied version 1, c's next push is in phase with everyone's.
+    contribute(policy, 2.0, "c", seq=2, base=1)
+    assert policy.round_learners(0) == {"c"}
+
+
 # -- misuse ------------------------------------------------------------------------
 
 
