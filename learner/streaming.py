@@ -160,9 +160,20 @@ class FragmentSync:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self, timeout: float = 120.0) -> None:
-        """Join, agree on the initial values with the other learners, start the loop."""
+        """Join, agree on the initial values with the other learners, start the loop.
+        If that fails, everything it started is stopped before the error is raised: a
+        loop left running with open gRPC channels can abort the interpreter's exit."""
         self._thread.start()
-        self._run(self._start(), timeout)
+        starting = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        try:
+            starting.result(timeout)
+        except BaseException:
+            starting.cancel()
+            with contextlib.suppress(Exception):
+                self._run(self._abandon(), 10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            raise
 
     async def _start(self) -> None:
         started = time.monotonic()
@@ -258,6 +269,12 @@ class FragmentSync:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _abandon(self) -> None:
+        """After a failed start: close what it opened; there is nothing to leave."""
+        if self._peer_server is not None:
+            await self._peer_server.stop()
+        await self.client.close()
 
     async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
         """The fragments no peer served, from the coordinator: each at its current

@@ -46,8 +46,9 @@ def push_every_fragment_once(learner: Learner, model: torch.nn.Module) -> None:
     """With H = 4 and 4 fragments (offsets 0..3), steps 4 to 7 push each fragment
     once, and each push starts a pull of the version it will be merged into."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    device = next(model.parameters()).device
     for _ in range(7):
-        x = torch.randn(16, 32)
+        x = torch.randn(16, 32, device=device)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -94,12 +95,17 @@ def free_port() -> int:
         return port
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="no CUDA device here"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("transport", ["bulk", "grpc"])
 def test_catch_up_from_a_peer_loads_exactly_the_published_versions(
-        start_daemon: Callable[..., Daemon], transport: str) -> None:
+        start_daemon: Callable[..., Daemon], transport: str, device: str) -> None:
     daemon = start_daemon("--set", "policy.grace_max_s=0")
     model_a = mlp(seed=0)
-    with Learner(daemon.address, model_a, sync_every=4, fragments=4, device="cpu",
+    with Learner(daemon.address, model_a, sync_every=4, fragments=4, device=device,
                  learner_id="a", serve_peers="127.0.0.1:0") as a:
         assert a.peer_address is not None
         push_every_fragment_once(a, model_a)
@@ -109,8 +115,9 @@ def test_catch_up_from_a_peer_loads_exactly_the_published_versions(
                    message="version 1 of every fragment, held by the peer")
         versions = published(daemon)
         model_b = mlp(seed=1)
-        with Learner(daemon.address, model_b, sync_every=4, fragments=4, device="cpu",
+        with Learner(daemon.address, model_b, sync_every=4, fragments=4, device=device,
                      learner_id="b", peers=[a.peer_address], peer_transport=transport) as b:
+            assert next(model_b.parameters()).device.type == device
             catch_up = b.catch_up
             assert catch_up is not None
             assert catch_up.sources == {p: a.peer_address for p in versions}
