@@ -332,26 +332,42 @@ class ProcessCluster:
         return False
 
     def _await_push(self, slot: LearnerSlot) -> str:
-        """Until the learner's log shows a push invoked and not yet answered (or the
-        wait ends); says which, so a checker can look for what it left behind."""
-        log = Tail(slot.log)
+        """Until a push is on the wire: invoked in the learner's log, and answered
+        neither there nor in any coordinator's log (on a slow link the answer takes
+        long to travel back, and a push the coordinator has acknowledged is whole,
+        not cut); or until the wait ends. Says which, so a checker can look for what
+        the kill left behind."""
+        learner_log = Tail(slot.log)
+        coordinator_logs = [Tail(path) for path in self._coordinator_logs()]
         open_pushes: dict[tuple[int, int], None] = {}
-        seen = 0
+        answered: set[tuple[int, int]] = set()
+        seen = [0] * (1 + len(coordinator_logs))
         deadline = time.monotonic() + _MOMENT_WAIT_S
         while time.monotonic() < deadline:
-            events = log.read()
-            for event in events[seen:]:
-                key = (event.get("fragment", -1), event.get("seq", -1))
-                if event["kind"] == "push_invoke":
-                    open_pushes[key] = None
-                elif event["kind"] in ("push_ack", "push_unsent", "dropped", "merged"):
-                    open_pushes.pop(key, None)
-            seen = len(events)
-            if open_pushes:
-                fragment, seq = list(open_pushes)[-1]
+            for i, log in enumerate([learner_log, *coordinator_logs]):
+                events = log.read()
+                for event in events[seen[i]:]:
+                    key = (event.get("fragment", -1), event.get("seq", -1))
+                    if i == 0 and event["kind"] == "push_invoke":
+                        open_pushes[key] = None
+                    elif i == 0 and event["kind"] in (
+                            "push_ack", "push_unsent", "dropped", "merged"):
+                        open_pushes.pop(key, None)
+                    elif i > 0 and event.get("learner") == slot.learner_id and event[
+                            "kind"] in ("push_ack", "reject"):
+                        answered.add(key)
+                seen[i] = len(events)
+            on_the_wire = [key for key in open_pushes if key not in answered]
+            if on_the_wire:
+                fragment, seq = on_the_wire[-1]
                 return f"mid-push of fragment {fragment} seq {seq}"
             time.sleep(0.005)
         return f"no push in flight within {_MOMENT_WAIT_S:g} s"
+
+    def _coordinator_logs(self) -> list[Path]:
+        if self.replicas is not None:
+            return [self.replicas.event_log(i) for i in range(len(self.replicas.replicas))]
+        return [self.out / "coordinator.events.jsonl"]
 
     def _etcd_fault(self, target: str, heal: bool) -> str:
         assert self.etcd is not None
