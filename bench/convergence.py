@@ -5,7 +5,8 @@ Four `ftsync-learner` processes (one torch thread each) train `lm-stdlib` on sha
 through a real `python -m coordinator` process, in these configurations:
 
 - (a) **async**: quorum 1, grace window on, staleness weighting on; learners free-running.
-- (b) **sync**: the same daemon with `--sync-mode 4` (quorum 4, no grace) and learners
+- (b) **sync**: the same daemon with `--sync-mode 4` (quorum 4, no grace, no stale
+  contributions) and learners
   with `--lockstep` (each waits for a merged fragment when it is due): lock-step DiLoCo
   with DiLoCo's outer optimizer. (b1), run only when asked for (`--only`), is the same
   with outer lr 1 and no momentum, plain parameter averaging, as a second sync
@@ -526,7 +527,8 @@ def run(s: Settings, only: list[str]) -> dict[str, Any]:
             "async": {"min_quorum": 1, "grace_max_s": s.grace_max_s,
                       "outer_lr": s.async_outer[0], "outer_momentum": s.async_outer[1],
                       "staleness_exponent": s.staleness_exponent},
-            "sync": {"sync_mode": LEARNERS, "lockstep": True, "outer_lr": s.sync_outer[0],
+            "sync": {"sync_mode": LEARNERS, "max_staleness": 0, "lockstep": True,
+                     "outer_lr": s.sync_outer[0],
                      "outer_momentum": s.sync_outer[1]},
             "sync_averaging": {"sync_mode": LEARNERS, "lockstep": True, "outer_lr": 1.0,
                                "outer_momentum": 0.0},

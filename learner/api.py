@@ -85,8 +85,13 @@ class Learner:
             self._hook = inner_optimizer.register_step_post_hook(after_optimizer_step)
 
     def start(self) -> Learner:
-        """Join and load the run's current global fragments into the model."""
-        self._sync.start(timeout=self._connect_timeout_s + 30)
+        """Join and load the run's current global fragments into the model. If that
+        fails, the learner is closed (no `__exit__` follows a failed `__enter__`)."""
+        try:
+            self._sync.start(timeout=self._connect_timeout_s + 30)
+        except BaseException:
+            self.close("start failed")
+            raise
         return self
 
     def step(self, tokens: int) -> list[int]:

@@ -161,18 +161,32 @@ class FragmentSync:
 
     def start(self, timeout: float = 120.0) -> None:
         """Join, agree on the initial values with the other learners, start the loop.
-        If that fails, everything it started is stopped before the error is raised: a
-        loop left running with open gRPC channels can abort the interpreter's exit."""
+        If that fails, what it started is stopped before the error is raised: it
+        leaves the run if it had joined, closes its channels and peer server, and
+        ends the loop and its thread."""
         self._thread.start()
-        starting = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         try:
-            starting.result(timeout)
+            # The loop's own deadline comes first, so that a start that runs out of
+            # time is cancelled and cleaned up there; this one only guards against
+            # a loop that no longer answers.
+            self._run(self._start_or_abandon(timeout), timeout + 15)
         except BaseException:
-            starting.cancel()
-            with contextlib.suppress(Exception):
-                self._run(self._abandon(), 10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+            raise
+
+    async def _start_or_abandon(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._start(), timeout)
+        except BaseException:
+            if self.client.run_id:  # joined: say so now rather than time out
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.client.leave("start failed"), 5)
+            if self._peer_server is not None:
+                await self._peer_server.stop()
+            await self.client.close()
             raise
 
     async def _start(self) -> None:
@@ -269,12 +283,6 @@ class FragmentSync:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _abandon(self) -> None:
-        """After a failed start: close what it opened; there is nothing to leave."""
-        if self._peer_server is not None:
-            await self._peer_server.stop()
-        await self.client.close()
 
     async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
         """The fragments no peer served, from the coordinator: each at its current

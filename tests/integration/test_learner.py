@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -149,19 +150,19 @@ def test_a_lock_step_push_that_missed_its_round_is_refused_and_its_learner_stays
         assert learner.client.stats.dropped == {"stale": 1}
 
 
-def test_a_failed_start_stops_everything_it_started() -> None:
+def test_a_failed_start_stops_everything_it_started(tmp_path: Path) -> None:
     """Nothing listens on port 9 here: the join gives up, and the background loop,
     its thread, the peer server and the gRPC channels are gone when start() raises
     (left running, they can abort the interpreter's exit)."""
     before = {t.ident for t in threading.enumerate()}
     learner = Learner("127.0.0.1:9", small_model(), sync_every=4, fragments=1,
                       device="cpu", learner_id="nowhere", connect_timeout_s=0.5,
-                      serve_peers="127.0.0.1:0")
+                      serve_peers="127.0.0.1:0", event_log=str(tmp_path / "events.jsonl"))
     with pytest.raises(grpc.RpcError):
         learner.start()
     sync = learner._sync
-    assert not sync._thread.is_alive() and not sync._loop.is_running()
-    assert not sync.client._channels
+    assert not sync._thread.is_alive() and sync._loop.is_closed()
+    assert not sync.client._channels and learner.events._out is None
     assert [t.name for t in threading.enumerate()
             if t.ident not in before and t.name.startswith("ftsync")] == []
     learner.close()  # a no-op after a failed start, not a hang
