@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import mmap
 import os
 import secrets
 import socket
@@ -514,7 +513,7 @@ async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel:
                 or header.version != request.version or header.numel != numel):
             raise ValueError(f"peer sent {header} for fragment {request.fragment} version "
                              f"{request.version} of {numel} elements")
-        values = _fresh_array(numel)
+        values = np.empty(numel, dtype=np.float32)
         received = 0
         while received < numel:
             message = await asyncio.wait_for(anext(stream, None), idle_timeout_s)
@@ -535,7 +534,7 @@ def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
                   idle_timeout_s: float) -> np.ndarray:
     """Blocking (run in a thread): present the ticket, receive straight into the
     array. The GIL is released while the kernel copies."""
-    values = _fresh_array(numel)
+    values = np.empty(numel, dtype=np.float32)
     view = values.data.cast("B")
     with socket.create_connection((host, port), timeout=idle_timeout_s) as conn:
         _kernel_timeouts(conn, idle_timeout_s)
@@ -554,15 +553,6 @@ def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
                                       f"{nbytes} bytes")
             got += n
     return values if sys.byteorder == "little" else values.view("<f4").astype(np.float32)
-
-
-def _fresh_array(numel: int) -> np.ndarray:
-    """A float32 array in anonymous memory of its own, without the transparent huge
-    pages numpy asks the kernel for. A catching-up learner is a freshly started
-    process, and there faulting in huge pages for hundreds of MB can stall on memory
-    compaction inside the socket receive (0.3–0.9 s for 400 MB on the benchmark
-    machine, against 0.13 s warm); small pages fault in without it."""
-    return np.frombuffer(mmap.mmap(-1, max(4 * numel, 1)), dtype=np.float32, count=numel)
 
 
 def _kernel_timeouts(conn: socket.socket, seconds: float) -> None:

@@ -208,11 +208,13 @@ class FragmentSync:
         sources: dict[int, str] = {}
         misses: list[str] = []
 
+        writing = asyncio.Lock()
+
         async def load(p: int, pulled: Pulled, source: str) -> None:
-            # Written as it arrives, while other fragments still stream, each in a
-            # thread of its own: fragments are disjoint sets of tensors, and the
-            # training thread waits in `start` until every one is written.
-            await asyncio.to_thread(self.write, p, pulled.values)
+            # Written as it arrives, while other fragments still stream; one at a
+            # time, as the training thread would.
+            async with writing:
+                await asyncio.to_thread(self.write, p, pulled.values)
             loaded[p], sources[p] = pulled, source
 
         async def from_peer(fetched: Fetched) -> None:

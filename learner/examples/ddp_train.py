@@ -153,10 +153,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             loss = train_loss.item()
             if rank == 0 and step % args.progress_every == 0:
                 elapsed = time.monotonic() - started
-                print(f"step {step} loss {loss:.4f} eval {task.eval_loss(model):.4f} "
-                      f"steps/s {step / elapsed:.0f} versions {learner.applied_versions} "
-                      f"backlog {learner.backlog}", flush=True)
-        print(json.dumps({"rank": rank, "params_sha256": checksum(model)}), flush=True)
+                say(f"step {step} loss {loss:.4f} eval {task.eval_loss(model):.4f} "
+                    f"steps/s {step / elapsed:.0f} versions {learner.applied_versions} "
+                    f"backlog {learner.backlog}")
+        say(json.dumps({"rank": rank, "params_sha256": checksum(model)}))
         if rank == 0:
             progress = learner.progress()
     if rank == 0:
@@ -168,8 +168,15 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             "merged": progress["merged"], "dropped": progress["dropped"],
             "unsettled": learner.backlog, "seconds": round(time.monotonic() - started, 2),
         }
-        print(json.dumps(summary), flush=True)
+        say(json.dumps(summary))
     return 0
+
+
+def say(line: str) -> None:
+    """One line to stdout in one write: the ranks share the stream, and `print`
+    writes a line and its newline separately, so lines of two ranks could merge."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

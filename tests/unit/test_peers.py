@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.peers import HeldFragments, PeerSettings, _fresh_array, split_address
+from learner.peers import HeldFragments, PeerSettings, split_address
 
 
 def values(x: float) -> np.ndarray:
@@ -65,11 +65,3 @@ def test_addresses_split_for_ipv4_names_and_ipv6() -> None:
     assert split_address("learner-3:0") == ("learner-3", 0)
     assert split_address("[::1]:7000") == ("::1", 7000)
 
-
-def test_catch_up_buffers_are_zeroed_writable_float32_arrays_of_their_own() -> None:
-    a, b = _fresh_array(6), _fresh_array(6)
-    assert a.dtype == np.float32 and a.shape == (6,) and a.flags.writeable
-    assert not a.any()
-    a[:] = 1.5
-    assert not b.any() and not np.shares_memory(a, b)
-    assert _fresh_array(0).size == 0
