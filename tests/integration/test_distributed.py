@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -139,7 +139,7 @@ def _rank(rank: int, store: str, address: str, out: str, steps: int, hook: bool)
             learner.start()
         except Exception as exc:
             record["start_error"] = f"{type(exc).__name__}: {exc}"
-            return
+            _exit_cleanly(out, rank, record)
         fragment_params = [[dict(model.named_parameters())[n] for n in f.names]
                            for f in learner.plan.fragments]
         record["after_start"] = _digest(model.parameters())
@@ -154,9 +154,21 @@ def _rank(rank: int, store: str, address: str, out: str, steps: int, hook: bool)
                 record["steps"].append({"applied": applied,
                                         "fragments": [_digest(t) for t in fragment_params]})
         record["tokens"] = learner.tokens
-    finally:
+    except BaseException:
         Path(out, f"rank{rank}.json").write_text(json.dumps(record))
         dist.destroy_process_group()
+        raise
+    _exit_cleanly(out, rank, record)
+
+
+def _exit_cleanly(out: str, rank: int, record: dict[str, Any]) -> NoReturn:
+    """Write the rank's record and go without the interpreter's teardown, as
+    `ftsync-learner` exits: after a failed join, tearing down gRPC's and gloo's
+    threads aborted a rank (SIGABRT, "terminate called without an active
+    exception") in 3 of 6 full-suite runs. What the tests check is in the record."""
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def _spawn(tmp_path: Path, address: str, steps: int,
