@@ -87,8 +87,9 @@ class ProcessCluster:
             args += ["--set", f"{key}={value}"]
         # Shared by a single coordinator and by replicas (each with its own event log).
         self.coordinator_args = args
+        self.coordinator_log = out / "coordinator.events.jsonl"
         self.coordinator = CoordinatorProcess(state_dir=out / "state", args=[
-            "--event-log", str(out / "coordinator.events.jsonl"), *args])
+            "--event-log", str(self.coordinator_log), *args])
         self.coordinator_up = False
         self.etcd = (EtcdCluster(out / "etcd", experiment.etcd.members)
                      if experiment.etcd.members else None)
@@ -367,7 +368,7 @@ class ProcessCluster:
     def _coordinator_logs(self) -> list[Path]:
         if self.replicas is not None:
             return [self.replicas.event_log(i) for i in range(len(self.replicas.replicas))]
-        return [self.out / "coordinator.events.jsonl"]
+        return [self.coordinator_log]
 
     def _etcd_fault(self, target: str, heal: bool) -> str:
         assert self.etcd is not None
