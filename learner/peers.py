@@ -26,7 +26,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn
 
@@ -55,8 +55,9 @@ _NO_TICKET: Final = (1 << 64) - 1
 _RESERVATION_S: Final = 30.0
 # Control calls to a peer: a peer that cannot answer in this long is skipped.
 _RPC_TIMEOUT_S: Final = 5.0
-# A version the learner is pulling right now is worth waiting this long for: just
-# after a commit, the learners that contributed to it are all still pulling it.
+# A version the learner is pushing into or pulling right now is worth waiting this
+# long for: just after a commit, the learners that contributed to it are all still
+# between their push's acknowledgement and the end of their pull.
 _ARRIVAL_WAIT_S: Final = 2.0
 _ARRIVAL_POLL_S: Final = 0.02
 # A bulk send that makes no progress for this long (the receiver stalled) is given up.
@@ -134,8 +135,8 @@ class Held:
 
 class HeldFragments:
     """The global values a learner can serve, per fragment: the version it applied
-    last and, until it applies it, a newer one it has pulled (and whether a pull
-    that may bring a newer one is under way).
+    last and, until it applies it, a newer one it has pulled (and whether a push
+    or pull that may bring a newer one is under way).
 
     Arrays are kept by reference, never copied: the runtime never writes a pulled
     array in place (it replaces its base instead), so a held version stays exact.
@@ -148,8 +149,8 @@ class HeldFragments:
         self._lock = threading.Lock()
         self._applied: dict[int, Held] = {}
         self._pulled: dict[int, Held] = {}
-        # Fragment → the version a pull in flight asked to be newer than.
-        self._pulling: dict[int, int] = {}
+        # (fragment, version) per push or pull under way that may bring a newer one.
+        self._awaiting: list[tuple[int, int]] = []
 
     def applied(self, fragment: int, version: int, values: np.ndarray) -> None:
         with self._lock:
@@ -166,18 +167,24 @@ class HeldFragments:
                     and (pulled is None or version > pulled.version)):
                 self._pulled[fragment] = Held(version, np.ascontiguousarray(values))
 
-    def pulling(self, fragment: int, have_version: int | None) -> None:
-        """A pull for a version newer than `have_version` began (None: it ended)."""
+    @contextlib.contextmanager
+    def awaiting(self, fragment: int, have_version: int) -> Iterator[None]:
+        """While inside, a version newer than `have_version` may arrive: a push is
+        on its way to a round, or a pull is under way. Entries overlap (a fall-back
+        pull starts before the cancelled one has ended), so each removes only itself."""
+        entry = (fragment, have_version)
         with self._lock:
-            if have_version is None:
-                self._pulling.pop(fragment, None)
-            else:
-                self._pulling[fragment] = have_version
+            self._awaiting.append(entry)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._awaiting.remove(entry)
 
     def may_arrive(self, fragment: int, version: int) -> bool:
-        """Whether a pull under way could still bring `version`."""
+        """Whether a push or pull under way could still bring `version`."""
         with self._lock:
-            return self._pulling.get(fragment, version) < version
+            return any(p == fragment and have < version for p, have in self._awaiting)
 
     def get(self, fragment: int, version: int) -> np.ndarray | None:
         with self._lock:

@@ -346,24 +346,27 @@ class FragmentSync:
         round) lacks the progress just pushed. In lock-step, the next version: a push
         that missed its round waits for the next one, which needs the others' next
         pushes, which wait for this learner."""
-        # Shielded: cancelling this pull (a fall-back) must not cancel the sender's future.
-        merged_into = await asyncio.shield(asyncio.wrap_future(target))
-        if merged_into is None or self.settings.lockstep:
-            return await self._pull(p, base_version)
-        return await self._pull(p, max(base_version, merged_into - 1))
+        with self._awaiting(p, base_version):
+            # Shielded: cancelling this pull (a fall-back) must not cancel the sender's future.
+            merged_into = await asyncio.shield(asyncio.wrap_future(target))
+            if merged_into is None or self.settings.lockstep:
+                return await self._pull(p, base_version)
+            return await self._pull(p, max(base_version, merged_into - 1))
 
     async def _pull(self, p: int, have_version: int) -> Pulled | None:
-        if self.held is None:
-            return await self.client.pull(p, have_version, self.settings.pull_wait_s)
-        self.held.pulling(p, have_version)
-        try:
+        with self._awaiting(p, have_version):
             pulled = await self.client.pull(p, have_version, self.settings.pull_wait_s)
-            if pulled is not None:
+            if pulled is not None and self.held is not None:
                 # Servable to peers from now on, before this learner applies it.
                 self.held.pulled(p, pulled.version, pulled.values)
             return pulled
-        finally:
-            self.held.pulling(p, None)
+
+    def _awaiting(self, p: int, have_version: int) -> contextlib.AbstractContextManager[None]:
+        """Tells the peers' server that a version newer than `have_version` may come:
+        from the push on, since the round it closes commits before the pull starts."""
+        if self.held is None:
+            return contextlib.nullcontext()
+        return self.held.awaiting(p, have_version)
 
     def _enqueue(self, item: _Outgoing) -> None:
         assert self._sends is not None

@@ -38,14 +38,25 @@ def test_held_arrays_are_the_runtimes_own_not_copies() -> None:
     assert held.get(1, 0) is mine
 
 
-def test_a_pull_under_way_may_bring_only_newer_versions() -> None:
+def test_a_push_or_pull_under_way_may_bring_only_newer_versions() -> None:
     held = HeldFragments()
     held.applied(0, 2, values(2))
     assert not held.may_arrive(0, 3)
-    held.pulling(0, 2)
-    assert held.may_arrive(0, 3) and not held.may_arrive(0, 2)
-    held.pulling(0, None)
+    with held.awaiting(0, 2):
+        assert held.may_arrive(0, 3) and not held.may_arrive(0, 2)
+        assert not held.may_arrive(1, 3)
     assert not held.may_arrive(0, 3)
+
+
+def test_overlapping_waits_each_end_only_themselves() -> None:
+    held = HeldFragments()
+    cancelled = held.awaiting(0, 2)
+    cancelled.__enter__()
+    with held.awaiting(0, 4):
+        # The earlier wait ends (a cancelled pull) while the fall-back's goes on.
+        cancelled.__exit__(None, None, None)
+        assert held.may_arrive(0, 5) and not held.may_arrive(0, 3)
+    assert not held.may_arrive(0, 5)
 
 
 @pytest.mark.parametrize("kwargs, message", [
