@@ -544,9 +544,10 @@ async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
                             wait_s: float = 0.0) -> str:
     """The leader's address as etcd has it; "" when none leads or etcd is unreachable.
 
-    While it is `avoid` (a replica that just failed) it is read again, on the same
-    connection, for up to `wait_s`: a frozen or cut-off leader's record stays until
-    its lease expires, and calling that replica again would only wait out another
+    While it is `avoid` (a replica that just failed) or absent, it is read again,
+    on the same connection, for up to `wait_s`: a frozen or cut-off leader's record
+    stays until its lease expires, then none leads until a standby's campaign lands,
+    and calling the failed replica again meanwhile would only wait out another
     deadline."""
     import aetcd  # only learners that discover through etcd need it
 
@@ -559,7 +560,7 @@ async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
             entry = await asyncio.wait_for(client.get(discovery.leader_key(run)), 3)
             leader = ("" if entry is None else
                       discovery.LeaderRecord.decode(entry.value, entry.create_revision).address)
-            if not avoid or leader != avoid or loop.time() >= deadline:
+            if not avoid or leader not in (avoid, "") or loop.time() >= deadline:
                 return leader
             await asyncio.sleep(_ETCD_POLL_S)
     except (aetcd.ClientError, grpc.RpcError, TimeoutError):

@@ -11,6 +11,7 @@ from chaos.etcd import EtcdCluster
 from coordinator.election import Callbacks, Election
 from coordinator.etcd import Etcd
 from coordinator.etcd_membership import EtcdMembership
+from learner.client import _leader_from_etcd
 from protos import discovery
 from protos.discovery import LeaderRecord
 
@@ -111,6 +112,36 @@ def test_learner_leases_outlive_the_leader_and_expire_without_heartbeats(
                     timeout=6.0)
         await first.stop()
         await second.stop()
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_learner_looking_past_a_failed_leader_waits_out_the_election_gap(
+        etcd: EtcdCluster) -> None:
+    """Between the failed leader's lease expiring and a standby's campaign landing
+    no leader key exists; a learner that took that gap for an answer called the
+    failed leader again and waited out another deadline."""
+    async def scenario() -> None:
+        client = Etcd(etcd.endpoints)
+        key = discovery.leader_key("t")
+        await client.put(key, LeaderRecord("a", "127.0.0.1:1", 0).encode())
+        looking = asyncio.create_task(
+            _leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1", wait_s=5.0))
+        await asyncio.sleep(0.3)
+        await client.delete(key)
+        await asyncio.sleep(0.5)
+        assert not looking.done()
+        await client.put(key, LeaderRecord("b", "127.0.0.1:2", 0).encode())
+        assert await asyncio.wait_for(looking, 3.0) == "127.0.0.1:2"
+        # Not looking past anyone, the gap is the answer, at once.
+        await client.delete(key)
+        assert await asyncio.wait_for(_leader_from_etcd(etcd.endpoints, "t"), 3.0) == ""
+        # Nobody campaigns: after `wait_s` the learner has its answer all the same.
+        started = time.monotonic()
+        assert await _leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1",
+                                       wait_s=0.5) == ""
+        assert time.monotonic() - started < 3.0
         await client.close()
 
     asyncio.run(scenario())
