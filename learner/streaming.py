@@ -349,9 +349,10 @@ class FragmentSync:
         with self._awaiting(p, base_version):
             # Shielded: cancelling this pull (a fall-back) must not cancel the sender's future.
             merged_into = await asyncio.shield(asyncio.wrap_future(target))
-            if merged_into is None or self.settings.lockstep:
-                return await self._pull(p, base_version)
-            return await self._pull(p, max(base_version, merged_into - 1))
+        # The pull registers its narrower wait before the loop runs anything else.
+        if merged_into is None or self.settings.lockstep:
+            return await self._pull(p, base_version)
+        return await self._pull(p, max(base_version, merged_into - 1))
 
     async def _pull(self, p: int, have_version: int) -> Pulled | None:
         with self._awaiting(p, have_version):
