@@ -110,6 +110,10 @@ class HaConfig:
     # A standby that has not acknowledged a version within this is dropped
     # from the in-sync set (and re-synchronised when it comes back).
     replication_timeout_s: float = 2.0
+    # Shared by the run's replicas: the leader sends it with each replicated
+    # version and a standby refuses versions without it. Empty: any client that
+    # reaches a replica may replicate to it, as any may push without auth.tokens.
+    token: str = ""
 
     def __post_init__(self) -> None:
         for endpoint in self.etcd:
@@ -220,6 +224,8 @@ def _describe(obj: object, prefix: str, lines: list[str]) -> None:
             _describe(value, key + ".", lines)
         elif key.startswith("auth.tokens") and isinstance(value, Mapping):
             lines.append(f"{key} = <{len(value)} learners>")
+        elif key == "ha.token":
+            lines.append(f"{key} = {'<set>' if value else '<none>'}")
         else:
             lines.append(f"{key} = {value!r}")
 

@@ -65,7 +65,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     ])
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)
-    pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine), server)
+    if config.ha.enabled:  # an embedded coordinator has no leader to take versions from
+        pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine, config.ha.token),
+                                                  server)
     host = config.listen.rsplit(":", 1)[0]
     port = server.add_insecure_port(config.listen)
     if port == 0:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import math
 import time
 import uuid
@@ -240,7 +241,7 @@ class Engine:
         if expected is None:
             raise Rejected(Reason.UNAUTHENTICATED,
                            f"learner {learner_id!r} has no token configured on this coordinator")
-        if token != expected:
+        if not hmac.compare_digest(token or "", expected):
             raise Rejected(Reason.UNAUTHENTICATED,
                            f"bad or missing bearer token for learner {learner_id!r}")
 

@@ -27,7 +27,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -107,8 +107,18 @@ async def read_replica(
         fragment=int(header.fragment), version=int(header.version),
         params=values[:numel], momentum=values[numel:],
         watermarks={k: int(v) for k, v in header.watermarks.items()},
-        manifest=list(json.loads(header.manifest_json or "[]")), epoch=int(header.commit_epoch))
+        manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch))
     return int(header.epoch), run, record
+
+
+def _manifest(text: str) -> list[Any]:
+    try:
+        manifest = json.loads(text or "[]")
+    except ValueError as exc:
+        raise Rejected(Reason.MALFORMED, f"the replicated manifest is not JSON: {exc}") from None
+    if not isinstance(manifest, list):
+        raise Rejected(Reason.MALFORMED, "the replicated manifest is not a list")
+    return manifest
 
 
 # -- the leader's side -----------------------------------------------------------------
@@ -158,6 +168,7 @@ class Replicator:
         self._insync_written: frozenset[str] | None = None
         self._insync_lock = asyncio.Lock()
         self._follow: asyncio.Task[None] | None = None
+        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
 
     @property
     def mode(self) -> str:
@@ -323,7 +334,7 @@ class Replicator:
                 yield message
 
         try:
-            await stub.Replicate(messages(), timeout=60)
+            await stub.Replicate(messages(), timeout=60, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # The standby knows a newer epoch: this replica no longer leads.

@@ -9,6 +9,7 @@ follow it without parsing the message. No policy lives here.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -190,15 +191,20 @@ async def abort(context: Context, rejected: Rejected) -> NoReturn:
 class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
     """A standby's end of replication: each stream is one committed version."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, token: str) -> None:
         self.engine = engine
+        self.token = token
 
     async def Replicate(self, request_iterator: AsyncIterator[pb.ReplicaMessage],
                         context: Context) -> pb.ReplicaAck:
         try:
+            if self.token and not hmac.compare_digest(bearer_token(context) or "", self.token):
+                raise Rejected(Reason.UNAUTHENTICATED,
+                               "replication needs the replicas' shared token (ha.token)")
             epoch, run, record = await read_replica(request_iterator)
             known = await self.engine.apply_replica(epoch, run, record)
         except Rejected as rejected:
+            self.engine.record_rejection("Replicate", "", rejected)
             await abort(context, rejected)
         return pb.ReplicaAck(fragment=record.fragment, version=record.version, epoch=known)
 

@@ -25,7 +25,9 @@ import grpc
 import numpy as np
 import pytest
 
+from coordinator.durability import FragmentRecord, RunRecord
 from coordinator.errors import Reason
+from coordinator.replication import replica_messages
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import MAX_CHUNK_BYTES, codec_named, decode_chunk_into, iter_chunks
@@ -627,6 +629,25 @@ def test_oversize_chunk_is_resource_exhausted(start_daemon: StartDaemon) -> None
     expect_rejected(daemon, partial(push, daemon, chunks=[oversize]),
                     grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.OVERSIZE,
                     str(size), f"limit is {MAX_CHUNK_BYTES}")
+    contribute_and_commit(daemon, seq=2)
+
+
+def test_an_embedded_coordinator_takes_no_replicated_versions(
+        start_daemon: StartDaemon) -> None:
+    """Only a replica of a highly available run follows a leader: an embedded
+    daemon that served `Replicate` let any client step it down and overwrite its
+    fragments."""
+    daemon = started(start_daemon)
+    before = state(daemon)
+    record = FragmentRecord(0, 99, np.ones(NUMEL, np.float32), np.zeros(NUMEL, np.float32),
+                            {}, [], 1)
+    run = RunRecord("x", HASH, (NUMEL,))
+    with grpc.insecure_channel(daemon.address) as channel, \
+            pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.ReplicationStub(channel).Replicate(
+            replica_messages(1, "intruder", run, record), timeout=RPC_TIMEOUT)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert state(daemon) == before
     contribute_and_commit(daemon, seq=2)
 
 

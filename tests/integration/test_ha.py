@@ -36,9 +36,10 @@ from protos.events import EventLog
 
 NUMELS = [2000, 1000]
 TTL_S = 3
+REPLICA_TOKEN = "replicas-only"
 REPLICA_ARGS = ["--set", "policy.grace_max_s=0.2", "--set", "policy.max_staleness=64",
                 "--set", f"ha.lease_ttl_s={TTL_S}", "--set", "outer.lr=0.1",
-                "--set", "outer.momentum=0.0"]
+                "--set", "outer.momentum=0.0", "--set", f"ha.token={REPLICA_TOKEN}"]
 
 
 @pytest.fixture
@@ -175,10 +176,26 @@ def test_a_partitioned_leader_steps_down_and_its_late_writes_are_refused(
             record = FragmentRecord(0, 10_000, np.zeros(NUMELS[0], np.float32),
                                     np.zeros(NUMELS[0], np.float32), {}, [], epoch)
             run = RunRecord("x", "layout-ha", tuple(NUMELS))
+            token = (("authorization", f"Bearer {REPLICA_TOKEN}"),)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Replicate(replica_messages(epoch, f"r{old}", run, record), timeout=5)
+                stub.Replicate(replica_messages(epoch, f"r{old}", run, record), timeout=5,
+                               metadata=token)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "stale_epoch" in (refused.value.details() or "")
+            # Without the replicas' token nothing is taken, whatever the epoch...
+            future = replica_messages(new_epoch + 100, "intruder", run, record)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Replicate(future, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "ha.token" in (refused.value.details() or "")
+            # ...and with it, a manifest that is not JSON is named, not a crash.
+            garbled = list(replica_messages(new_epoch, "r?", run, record))
+            garbled[0].header.manifest_json = "{not json"
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Replicate(iter(garbled), timeout=5, metadata=token)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "manifest is not JSON" in (refused.value.details() or "")
+        assert replicas.roles()[new] == ("leader", new_epoch)
         # ...and the old leader redirects learners to the new one.
         with grpc.insecure_channel(replicas.replicas[old].address) as channel:
             with pytest.raises(grpc.RpcError) as redirected:
