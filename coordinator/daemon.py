@@ -79,9 +79,16 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         await replica.start()
     print(f"ftsync-coordinator listening on {host}:{port}", flush=True)
     try:
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
     finally:
         if replica is not None:
             await replica.stop()
         await server.stop(grace=2.0)
         await engine.stop()
+    if engine.failure:
+        raise SystemExit(f"ftsync-coordinator: stopped: {engine.failure}. Nothing unwritten "
+                         f"was published; restart it once the state directory is writable "
+                         f"and learners re-push what no written version merged")

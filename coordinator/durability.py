@@ -20,6 +20,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,15 @@ class StateDir:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def restore_manifests(self, records: Iterable[FragmentRecord]) -> None:
+        """Append the manifest of every record the log lacks: a fragment file is
+        renamed into place before its manifest line is appended, so a crash between
+        the two leaves the line missing, and the file still holds it."""
+        logged = {(m["fragment"], m["version"]) for m in self.manifests()}
+        for record in records:
+            if (record.fragment, record.version) not in logged:
+                self._append_manifest(record)
 
     # -- internals -------------------------------------------------------------
 

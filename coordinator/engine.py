@@ -105,6 +105,9 @@ class Engine:
         self.policy: Policy | None = None
         self._wake = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
+        # Set, with `failure` saying why, when rounds can no longer be committed.
+        self.failed = asyncio.Event()
+        self.failure = ""
         # Liveness of learners; None: the policy's own heartbeat table.
         self.membership = membership
         # High availability (set up by coordinator.ha); embedded, always the leader.
@@ -483,8 +486,13 @@ class Engine:
             policy, store = self.policy, self.store
             if policy is not None and store is not None and self.role == "leader":
                 # Fragments commit in parallel: their locks, buffers and files are separate.
-                await asyncio.gather(*(self._close(policy, store, p)
-                                       for p in policy.due(self.clock())))
+                try:
+                    await asyncio.gather(*(self._close(policy, store, p)
+                                           for p in policy.due(self.clock())))
+                except OSError as exc:
+                    self._fail(f"a committed version could not be written to "
+                               f"{self.config.state_dir}: {exc}")
+                    return
                 deadline = policy.next_deadline()
             else:
                 deadline = None
@@ -492,6 +500,14 @@ class Engine:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+
+    def _fail(self, reason: str) -> None:
+        """Stop committing for good. The round is closed and its momentum stepped in
+        memory but not on disk: only a restart from the state directory is consistent,
+        and the contributions no written manifest names are re-pushed by their learners."""
+        self.failure = reason
+        self.events.emit("fatal", reason=reason)
+        self.failed.set()
 
     async def _close(self, policy: Policy, store: FragmentStore, fragment: int) -> None:
         async with store.lock(fragment):

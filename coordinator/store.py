@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.config import OuterConfig
-from coordinator.durability import FragmentRecord, StateDir
+from coordinator.durability import FragmentRecord, StateDir, StateError
 from coordinator.merge import Accumulator, outer_step
 from coordinator.policy import MergeRule, RoundClose
 
@@ -121,12 +121,13 @@ class FragmentStore:
             if record is None:
                 continue
             if record.params.size != slot.numel:
-                raise ValueError(f"fragment {p} on disk has {record.params.size} elements, "
+                raise StateError(f"fragment {p} on disk has {record.params.size} elements, "
                                  f"the run's layout says {slot.numel}")
             slot.momentum = record.momentum
             slot.published = Published(record.version, record.params, record.watermarks,
                                        time.monotonic())
             found[p] = record
+        self.state.restore_manifests(found.values())
         return found
 
     def published(self, fragment: int) -> Published | None:

@@ -201,6 +201,12 @@ def test_sigkill_loses_no_committed_version_and_open_rounds_are_repushed(
         await contribute(b, value=0.4, base_version=1)
         pulled = await b.pull(0, have_version=1, wait_s=10.0)
         assert pulled is not None and pulled.version == 2
+        # Version 2 steps on from the resumed momentum (Nesterov, lr 0.7, μ 0.9): the
+        # round merged a's 0.2 and b's 0.4 with equal weights.
+        delta = np.float32(0.3)
+        momentum = np.float32(0.9) * committed.momentum + delta
+        expected = committed.params - np.float32(0.7) * (delta + np.float32(0.9) * momentum)
+        np.testing.assert_allclose(pulled.values, expected, rtol=1e-5)
         await a.heartbeat(local_step=21)
         await b.heartbeat(local_step=21)
         assert a.backlog == 0 and b.backlog == 0
@@ -216,6 +222,31 @@ def test_sigkill_loses_no_committed_version_and_open_rounds_are_repushed(
     commits = [json.loads(line) for line in events.read_text().splitlines()
                if '"commit"' in line]
     assert [c["version"] for c in commits] == [1, 2]
+
+
+def test_a_version_that_cannot_be_written_stops_the_daemon_with_nothing_published(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    daemon = start_daemon("--set", "policy.grace_max_s=0", state_dir=state)
+
+    async def run() -> None:
+        (a,) = await joined(daemon, "a")
+        await contribute(a, fragment=1)
+        assert (await a.pull(1, have_version=0, wait_s=10.0)).version == 1  # type: ignore[union-attr]
+        # Fragment 0's next write fails: its temporary file's name is taken by a directory.
+        (state / "fragments" / "0.bin.tmp").mkdir()
+        await contribute(a, fragment=0)
+        await a.close()
+
+    asyncio.run(run())
+    assert daemon.process is not None
+    assert daemon.process.wait(timeout=30) == 1
+    stderr = (tmp_path / "state.stderr.log").read_text()
+    assert "could not be written" in stderr and "0.bin.tmp" in stderr, stderr[-2000:]
+    # Restarted once the disk is fine: what was written is there, nothing else.
+    (state / "fragments" / "0.bin.tmp").rmdir()
+    daemon.start()
+    assert versions(daemon) == {0: 0, 1: 1}
 
 
 @pytest.mark.parametrize("merge", ["mean", "rda"])

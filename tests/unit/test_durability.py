@@ -161,6 +161,26 @@ def test_manifests_accumulate_one_line_per_save_in_order(state: StateDir) -> Non
     assert reopened.manifests() == [*expected, {"fragment": 0, "version": 4, "manifest": []}]
 
 
+def test_a_manifest_lost_between_rename_and_append_is_restored_from_the_file(
+        state: StateDir) -> None:
+    first = record(fragment=0, version=1, numel=4, manifest=[{"learner": "a", "seq": 1}])
+    second = record(fragment=0, version=2, numel=4, manifest=[{"learner": "a", "seq": 2}])
+    other = record(fragment=1, version=1, numel=4, manifest=[{"learner": "b", "seq": 1}])
+    for saved in (first, other, second):
+        state.save_fragment(saved)
+    log = state.root / "manifests.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:-1]))  # the crash came after the rename, before the append
+    reopened = StateDir(state.root, fsync=state.fsync)
+    loaded = [reopened.load_fragment(0), reopened.load_fragment(1)]
+    reopened.restore_manifests(r for r in loaded if r is not None)
+    assert [(m["version"], m["manifest"]) for m in reopened.manifests() if m["fragment"] == 0] \
+        == [(1, first.manifest), (2, second.manifest)]
+    # Nothing is appended twice.
+    reopened.restore_manifests(r for r in loaded if r is not None)
+    assert len(reopened.manifests()) == 3
+
+
 # -- damaged files ---------------------------------------------------------------------------
 
 
