@@ -12,6 +12,8 @@ Outer step:     m ← μ·m + Δ;  Θ ← Θ − lr·(Δ + μ·m)   (Nesterov; p
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from coordinator.config import OuterConfig
@@ -97,9 +99,15 @@ def outer_step(config: OuterConfig, params: np.ndarray, momentum: np.ndarray,
 
 
 def norm_sq(values: np.ndarray) -> float:
-    """Σ v² of a chunk; NaN or Inf when any value is non-finite (or it overflows)."""
+    """Σ v² of a chunk; NaN or Inf when any value is non-finite. Summed in fp32,
+    again in fp64 when that overflows: values pre-multiplied by large token
+    weights can square past fp32's range while every one is finite."""
     with np.errstate(over="ignore"):
-        return float(np.dot(values, values))
+        fast = float(np.dot(values, values))
+    if math.isfinite(fast) or not np.isfinite(values).all():
+        return fast
+    wide = values.astype(np.float64)
+    return float(np.dot(wide, wide))
 
 
 def first_non_finite(values: np.ndarray) -> int | None:

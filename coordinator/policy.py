@@ -33,6 +33,9 @@ MergeRule = Literal["mean", "rda"]
 
 # Smoothing of the running timing estimates (ξ_step, ξ_sync).
 _EWMA = 0.3
+# The largest c_tokens²/c_steps taken (4M-token steps summed over 500 steps give
+# 8e15): merging pre-multiplies fp32 values by the weight, which must stay finite.
+MAX_TOKEN_WEIGHT = float(2**64)
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,11 @@ class Policy:
             raise Rejected(Reason.BAD_COUNTS,
                            f"c_tokens and c_steps must be positive "
                            f"(got {offer.c_tokens} and {offer.c_steps})")
+        if offer.c_tokens * offer.c_tokens / offer.c_steps > MAX_TOKEN_WEIGHT:
+            raise Rejected(Reason.BAD_COUNTS,
+                           f"c_tokens²/c_steps is over 2^64 (c_tokens {offer.c_tokens}, "
+                           f"c_steps {offer.c_steps}): c_tokens counts the tokens of the "
+                           f"steps this push sums up, c_steps those steps")
         if cid.base_version > frag.version:
             raise Rejected(Reason.FUTURE_VERSION,
                            f"base version {cid.base_version} of fragment {cid.fragment} is newer "

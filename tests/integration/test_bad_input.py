@@ -585,6 +585,18 @@ def test_zero_counts_are_invalid_argument(start_daemon: StartDaemon) -> None:
         contribute_and_commit(daemon, seq=seq)
 
 
+def test_token_counts_whose_weight_fp32_cannot_carry_are_refused(
+        start_daemon: StartDaemon) -> None:
+    daemon = started(start_daemon)
+    expect_rejected(daemon, partial(push, daemon, seq=2, c_tokens=2**62, c_steps=1),
+                    INVALID_ARGUMENT, Reason.BAD_COUNTS, str(2**62), "2^64")
+    # The largest weight taken merges like any other, though its values square past fp32.
+    weight_ok = {"c_tokens": 2**32, "c_steps": 1}
+    response = push(daemon, np.full(NUMEL, 0.5, np.float32), seq=3, **weight_ok)
+    assert response.weight == pytest.approx(2.0**64)
+    wait_until(lambda: version(daemon) == 1, timeout=10, message="the heavy push to commit")
+
+
 def test_second_initial_value_is_already_exists(start_daemon: StartDaemon) -> None:
     daemon = started(start_daemon)
     join(daemon, "b")

@@ -320,6 +320,7 @@ REJECTIONS = [
     (make_offer("c", seq=1, base=2, tokens=0), Reason.BAD_COUNTS, "positive"),
     (make_offer("c", seq=1, base=2, steps=0), Reason.BAD_COUNTS, "positive"),
     (make_offer("c", seq=1, base=2, tokens=-5, steps=3), Reason.BAD_COUNTS, "-5"),
+    (make_offer("c", seq=1, base=2, tokens=2**62, steps=1), Reason.BAD_COUNTS, "2^64"),
 ]
 
 
