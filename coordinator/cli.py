@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(config))
     except StateError as exc:
         sys.exit(f"ftsync-coordinator: cannot resume from {config.state_dir}: {exc}")
+    except ConfigError as exc:
+        sys.exit(f"ftsync-coordinator: {exc}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -56,10 +56,15 @@ class LimitsConfig:
     # Bytes of fragment staging shared by concurrent pushes; 0: twice the
     # largest fragment. Pushes beyond it wait, so memory stays flat.
     staging_bytes: int = 0
+    # Parameters a run may have; 0: as many as fit in this machine's memory at
+    # about 12 bytes each (parameters, momentum, one open round's sum).
+    max_params: int = 0
 
     def __post_init__(self) -> None:
-        if self.norm_bound < 0:
+        if not self.norm_bound >= 0:  # NaN too: it would switch the bound off
             raise ValueError(f"limits.norm_bound must be >= 0 (got {self.norm_bound})")
+        if self.max_params < 0:
+            raise ValueError(f"limits.max_params must be >= 0 (got {self.max_params})")
         if not MIB <= self.chunk_bytes <= 4 * MIB:
             raise ValueError(f"limits.chunk_bytes must be in [1 MiB, 4 MiB] "
                              f"(got {self.chunk_bytes})")
@@ -73,6 +78,14 @@ class MetricsConfig:
     prometheus_port: int = 0
     # Seconds between console dumps of the metrics; 0 turns them off.
     console_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prometheus_port <= 65535:
+            raise ValueError(f"metrics.prometheus_port must be in [0, 65535] "
+                             f"(got {self.prometheus_port})")
+        if not self.console_interval_s >= 0:
+            raise ValueError(f"metrics.console_interval_s must be >= 0 "
+                             f"(got {self.console_interval_s})")
 
 
 @dataclass(frozen=True)
@@ -155,10 +168,14 @@ class CoordinatorConfig:
     ha: HaConfig = field(default_factory=HaConfig)
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[^\s:]*:\d+", self.listen):
-            raise ValueError(f"listen must be HOST:PORT (got {self.listen!r})")
-        if self.heartbeat_interval_ms <= 0:
-            raise ValueError("heartbeat_interval_ms must be > 0")
+        if (not re.fullmatch(r"[^\s:]*:\d+", self.listen)
+                or int(self.listen.rsplit(":", 1)[1]) > 65535):
+            raise ValueError(f"listen must be HOST:PORT with a port up to 65535 "
+                             f"(got {self.listen!r})")
+        # Learners are told it in milliseconds as a 32-bit field.
+        if not 0 < self.heartbeat_interval_ms <= 3_600_000:
+            raise ValueError(f"heartbeat_interval_ms must be in (0, 3600000] "
+                             f"(got {self.heartbeat_interval_ms})")
 
     def tokens(self) -> dict[str, str]:
         """Configured tokens, those of tokens_file included."""
@@ -240,7 +257,7 @@ class _Locator:
 
     def __call__(self, keys: tuple[str, ...]) -> str:
         if not self.path or ".".join(keys) in self.overridden:
-            return "(from --set)"
+            return "(from the command line)"
         # Tables are named by their header; the n-th [[array]] entry by index n.
         section = tuple(k for k in keys[:-1])
         current: tuple[str, ...] = ()

@@ -54,7 +54,10 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except OSError as exc:  # the state directory, the event log, the metrics port
+        raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
     await engine.start()
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
@@ -69,9 +72,14 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine, config.ha.token),
                                                   server)
     host = config.listen.rsplit(":", 1)[0]
-    port = server.add_insecure_port(config.listen)
+    try:
+        port = server.add_insecure_port(config.listen)
+    except RuntimeError:  # how grpcio reports a failed bind
+        port = 0
     if port == 0:
-        raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}")
+        await engine.stop()
+        raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}: the address "
+                         f"is in use or not on this machine")
     await server.start()
     print(describe(config), file=sys.stderr, flush=True)
     replica = Replica(engine, config, f"{host}:{port}") if config.ha.enabled else None

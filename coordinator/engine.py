@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import math
+import os
 import time
 import uuid
 from collections import Counter
@@ -32,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 
 from coordinator.config import CoordinatorConfig
-from coordinator.durability import FragmentRecord, RunRecord, StateDir
+from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
 from coordinator.errors import NotLeader, Reason, Rejected
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite, norm_sq
@@ -45,6 +46,13 @@ from protos.events import EventLog
 
 # How often the round timer looks at liveness when no deadline is nearer.
 _TICK_S = 0.05
+# fp32 parameters, momentum and one open round's sum per parameter.
+_BYTES_PER_PARAM = 12
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (what a run's arrays must fit in)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 Role = Literal["leader", "standby"]
 
@@ -132,6 +140,11 @@ class Engine:
         A replica of a highly available run starts as a standby and resumes
         only once it is elected (`promote`)."""
         run = self.state.load_run()
+        pinned = self.config.layout_hash
+        if run is not None and pinned and run.layout_hash != pinned:
+            raise StateError(f"it holds run {run.run_id} of layout {run.layout_hash!r}, but "
+                             f"layout_hash pins {pinned!r}; use another state directory or "
+                             f"unpin the layout")
         if run is not None and self.role == "leader":
             versions = self._adopt(run)
             self.events.emit("resume", run_id=run.run_id, versions=versions)
@@ -258,6 +271,7 @@ class Engine:
         if any(n == 0 for n in numels):
             raise Rejected(Reason.MALFORMED, "layout has an empty fragment")
         if self.run is None:
+            self._check_room(sum(numels))
             pinned = self.config.layout_hash
             if pinned and pinned != layout.hash:
                 raise Rejected(Reason.LAYOUT_MISMATCH,
@@ -291,6 +305,18 @@ class Engine:
         self.events.emit("join", learner=request.learner_id, host=request.host,
                          pid=request.pid, next_seq=next_seq)
         return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq)
+
+    def _check_room(self, params: int) -> None:
+        """Refuse a run this daemon could not hold, before allocating any of it."""
+        limit = self.config.limits.max_params
+        where = "limits.max_params"
+        if not limit:
+            limit = physical_memory() // _BYTES_PER_PARAM
+            where = f"{physical_memory() / 1e9:.1f} GB of memory at {_BYTES_PER_PARAM} bytes each"
+        if params > limit:
+            raise Rejected(Reason.OVERSIZE,
+                           f"the layout has {params:,} parameters; this coordinator takes at "
+                           f"most {limit:,} ({where})")
 
     def heartbeat(self, learner_id: str, local_step: int, backlog: int) -> list[FragmentView]:
         self.require_leader()
@@ -455,6 +481,12 @@ class Engine:
                    wait_s: float) -> Published | None:
         """The fragment if a version newer than `have_version` is published in time."""
         self._check_pull(learner_id, fragment)
+        current = self._store().published(fragment)
+        newest = current.version if current is not None else -1
+        if have_version > newest:
+            raise Rejected(Reason.FUTURE_VERSION,
+                           f"have_version {have_version} of fragment {fragment} is newer than "
+                           f"its current version {newest}")
         published = await self._store().wait_newer(fragment, have_version, wait_s)
         self.require_leader()  # it may have stepped down while the pull waited
         return published

@@ -86,8 +86,9 @@ class StagingPool:
             await self._room.wait_for(
                 lambda: self.in_use == 0 or self.in_use + nbytes <= self.budget)
             self.in_use += nbytes
-        lease = Lease(self._take(numel))
+        lease = Lease(None)
         try:
+            lease.buffer = self._take(numel)
             yield lease
         finally:
             if lease.buffer is not None:

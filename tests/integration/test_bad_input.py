@@ -19,6 +19,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -369,6 +370,34 @@ def test_join_against_a_pinned_layout_hash_is_failed_precondition(
     init(daemon)
 
 
+def test_a_layout_too_large_to_hold_is_refused_before_anything_is_allocated(
+        start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(*FAST)
+    huge = _layout(HASH, 2**40, NUMEL)
+    expect_rejected(daemon, partial(join, daemon, layout=huge),
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.OVERSIZE,
+                    f"{2**40 + NUMEL:,} parameters", "GB of memory", learner_id=None)
+    assert daemon.status().run_id == ""
+    join(daemon)
+    init(daemon)
+    capped = start_daemon(*FAST, "--set", "limits.max_params=1500")
+    expect_rejected(capped, partial(join, capped), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Reason.OVERSIZE, "2,000 parameters", "most 1,500", "limits.max_params",
+                    learner_id=None)
+
+
+def test_a_state_directory_of_another_layout_than_the_pinned_one_is_not_resumed(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    daemon = start_daemon(*FAST, state_dir=tmp_path / "run")
+    join(daemon)
+    daemon.stop()
+    pinned = Daemon(state_dir=tmp_path / "run", args=[*FAST, "--set", 'layout_hash="other"'])
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        pinned.start()
+    log = (tmp_path / "run.stderr.log").read_text()
+    assert f"layout {HASH!r}, but layout_hash pins 'other'" in log, log[-1000:]
+
+
 def test_push_with_another_layout_hash_is_failed_precondition(
         start_daemon: StartDaemon) -> None:
     daemon = started(start_daemon)
@@ -544,6 +573,11 @@ def test_version_from_the_future_is_invalid_argument(start_daemon: StartDaemon) 
     daemon = started(start_daemon)
     expect_rejected(daemon, partial(push, daemon, base_version=5), INVALID_ARGUMENT,
                     Reason.FUTURE_VERSION, "base version 5", "fragment 0", "current version 0")
+    # A pull for something newer than a version it cannot have yet is refused at once,
+    # not held for its wait.
+    expect_rejected(daemon, partial(pull, daemon, have_version=5, wait_ms=30_000),
+                    INVALID_ARGUMENT, Reason.FUTURE_VERSION, "have_version 5",
+                    "current version 0", case="pull")
     contribute_and_commit(daemon, seq=2)
 
 
