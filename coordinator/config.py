@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import tomllib
 import types
@@ -39,8 +40,8 @@ class OuterConfig:
     nesterov: bool = True
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"outer.lr must be > 0 (got {self.lr})")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"outer.lr must be > 0 and finite (got {self.lr})")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
 
