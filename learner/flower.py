@@ -7,8 +7,8 @@ it used. Here each fit is one outer step of a learner: its parameter list
 each fit the outer gradient `Δ = Θ_base − θ` of every fragment goes to the
 synchronizer with `c_tokens = num_examples` and `c_steps = 1`; the next fit
 starts from the merged fragments (or, if no newer version came within the
-pull wait, from the learner's own parameters, and the next push then counts
-both fits against the same base, as the streaming runtime does).
+pull wait, from the learner's own parameters, and the next push carries the
+next fit's progress only, as the streaming runtime's does).
 
 Three client shapes run unchanged: a `NumPyClient`, a legacy `Client`
 (e.g. `NumPyClient.to_client()`), and a Message-API `ClientApp` whose
@@ -473,10 +473,15 @@ class _Rounds:
             self.events.emit("flower_no_examples", learner=self.settings.learner_id,
                              round=round_)
             return [None] * len(self.states)
-        return await asyncio.gather(*(
-            self.client.push(p, state.base - self.layout.read(self.arrays, p),
-                             state.base_version, state.tokens, state.steps, round_)
+        current = [self.layout.read(self.arrays, p) for p in range(len(self.states))]
+        targets = await asyncio.gather(*(
+            self.client.push(p, state.base - current[p], state.base_version, state.tokens,
+                             state.steps, round_)
             for p, state in enumerate(self.states)))
+        # Pushed: that progress is the synchronizer's now, never to be sent again.
+        for state, values in zip(self.states, current, strict=True):
+            state.base, state.tokens, state.steps = values, 0, 0
+        return targets
 
     async def _pull_all(self, targets: list[int | None]) -> list[int]:
         """Wait (up to pull_wait_s) for each fragment's version holding this fit, and apply it."""

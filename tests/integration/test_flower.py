@@ -317,6 +317,33 @@ def test_the_lease_holds_through_a_fit_longer_than_it(start_daemon: StartDaemon)
     wait_until(lambda: not daemon.status().learners[0].live, 5, message="the learner left")
 
 
+class StepClient(NumPyClient):
+    """Each fit moves w by -1, at once."""
+
+    def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
+        return [np.zeros(8, np.float32)]
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any],
+            ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        return [parameters[0] - 1.0], 10, {}
+
+
+def test_fits_whose_merge_is_late_are_each_pushed_once(start_daemon: StartDaemon,
+                                                       tmp_path: Path) -> None:
+    """No round closes (quorum 2, one learner): every fit's pull times out, and each
+    push must carry that fit alone, not again the fits before it."""
+    daemon = start_daemon("--min-quorum", "2")
+    log = tmp_path / "learner.jsonl"
+    summary = run_numpy_client(StepClient(), daemon.address, rounds=3, learner_id="a",
+                               pull_wait_s=0.3, event_log=str(log), connect_timeout_s=10.0)
+    assert summary.pull_timeouts == 3
+    invoked = events(log, "push_invoke")
+    assert len(invoked) == 3
+    assert [e["c_steps"] for e in invoked] == [1, 1, 1], invoked
+    # c_tokens²/c_steps of one fit of 10 examples, at staleness 0.
+    assert [e["weight"] for e in events(log, "push_ack")] == [100.0] * 3
+
+
 class FailingClient(SlowClient):
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any],
             ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
