@@ -139,7 +139,4 @@ class Learner:
 
     def progress(self) -> dict[str, Any]:
         """What a progress line shows: step, versions, backlog, outbox outcomes."""
-        stats = self.client.stats
-        return {"step": self.local_step, "versions": self.applied_versions,
-                "backlog": self.backlog, "merged": stats.merged,
-                "dropped": dict(stats.dropped), "repushed": stats.repushed}
+        return self._sync.progress()

@@ -127,12 +127,19 @@ class _Run:
     eval_start: float = float("nan")
     evals: list[tuple[int, float]] = field(default_factory=list)
     stop_signal: str = ""
+    # (time, tokens) at the last progress line: tokens/s is the rate since then.
+    _rated: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0))
 
-    def line(self, versions: dict[int, int], backlog: int, eval_loss: float | None) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+    def line(self, progress: dict[str, Any], eval_loss: float | None) -> str:
+        now = time.monotonic()
+        rate = (self.tokens - self._rated[1]) / max(now - self._rated[0], 1e-9)
+        self._rated = (now, self.tokens)
         held_out = f" eval {eval_loss:.4f}" if eval_loss is not None else ""
+        dropped = sum(progress["dropped"].values())
         return (f"{self.learner_id} step {self.steps} loss {self.loss:.4f}{held_out} "
-                f"tokens/s {self.tokens / elapsed:.0f} versions {versions} backlog {backlog}")
+                f"tokens/s {rate:.0f} pushed {progress['pushed']} "
+                f"applied {progress['versions']} backlog {progress['backlog']}"
+                + (f" dropped {dropped}" if dropped else ""))
 
 
 def _on_signals(run: _Run) -> None:
@@ -226,7 +233,7 @@ def run_task(args: argparse.Namespace) -> int:
             run.evals.append((run.steps, eval_loss))
             learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
         if run.steps % args.progress_every == 0:
-            print(run.line(learner.applied_versions, learner.backlog, eval_loss), flush=True)
+            print(run.line(learner.progress(), eval_loss), flush=True)
             learner.events.emit("train", learner=args.learner_id, step=run.steps,
                                 loss=run.loss, tokens=run.tokens)
     eval_end = task.eval_loss(model)
@@ -276,15 +283,11 @@ def run_synthetic(args: argparse.Namespace) -> int:
         run.steps += 1
         run.tokens += tokens
         if run.steps % args.progress_every == 0:
-            print(run.line(dict(sync.applied_versions), sync.backlog, task.eval_loss()),
-                  flush=True)
+            print(run.line(sync.progress(), task.eval_loss()), flush=True)
             events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
                         tokens=run.tokens)
     sync.close(reason=run.stop_signal or "done")
     eval_end = task.eval_loss()
     events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
     events.close()
-    progress = {"versions": dict(sync.applied_versions), "backlog": client.backlog,
-                "merged": client.stats.merged, "dropped": dict(client.stats.dropped),
-                "repushed": client.stats.repushed}
-    return _finish(run, args, eval_end, progress)
+    return _finish(run, args, eval_end, sync.progress())

@@ -136,6 +136,8 @@ class Pulled:
 class OutboxStats:
     merged: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    # Fragment → the version its last acknowledged push merges into.
+    pushed: dict[int, int] = field(default_factory=dict)
     repushed: int = 0
 
 
@@ -350,6 +352,7 @@ class SynchronizerClient:
         finally:
             c.in_flight = False
         c.acknowledged = True
+        self.stats.pushed[c.fragment] = int(ack.target_version)
         self.events.emit("push_ack", learner=self.learner_id, fragment=c.fragment, seq=c.seq,
                          target=ack.target_version, weight=ack.weight,
                          staleness=ack.staleness)
@@ -450,9 +453,13 @@ class SynchronizerClient:
             self.stats.merged += 1
             self.events.emit("merged", learner=self.learner_id, fragment=c.fragment, seq=c.seq)
         else:
-            self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-            self.events.emit("dropped", learner=self.learner_id, fragment=c.fragment,
-                             seq=c.seq, reason=reason, detail=detail)
+            self.count_drop(c.fragment, reason, seq=c.seq, detail=detail)
+
+    def count_drop(self, fragment: int, reason: str, **fields: Any) -> None:
+        """A contribution given up: refused by the coordinator, or never sent."""
+        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        self.events.emit("dropped", learner=self.learner_id, fragment=fragment, reason=reason,
+                         **fields)
 
     async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call`, re-joining once if the coordinator no longer knows us

@@ -323,6 +323,14 @@ class FragmentSync:
         queued = self._sends.qsize() if self._sends is not None else 0
         return queued + self.client.backlog
 
+    def progress(self) -> dict[str, Any]:
+        """Step, versions pushed into and applied, backlog, outbox outcomes."""
+        stats = self.client.stats
+        return {"step": self.local_step, "pushed": dict(stats.pushed),
+                "versions": dict(self.applied_versions), "backlog": self.backlog,
+                "merged": stats.merged, "dropped": dict(stats.dropped),
+                "repushed": stats.repushed}
+
     def _push(self, p: int) -> None:
         state = self.fragments[p]
         current = self.read(p)
@@ -375,9 +383,7 @@ class FragmentSync:
             dropped = self._sends.get_nowait()
             dropped.target.set_result(None)
             self._sends.task_done()
-            self.client.events.emit("dropped", learner=self.client.learner_id,
-                                    fragment=dropped.fragment, reason="backlog_full",
-                                    work_s=dropped.work_s)
+            self.client.count_drop(dropped.fragment, "backlog_full", work_s=dropped.work_s)
         self._sends.put_nowait(item)
 
     def _fall_back(self, p: int, state: _FragmentState) -> None:

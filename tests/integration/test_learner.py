@@ -225,6 +225,9 @@ def test_learner_keeps_stepping_while_the_coordinator_is_down_then_catches_up(
         # A dead coordinator never blocks a step; work piles up as backlog instead.
         assert slowest < 0.5
         assert learner.backlog > 0
+        # 20 pushes fell due; the send queue holds 8 (max_backlog), and the oldest
+        # beyond them are dropped, counted where the summary reads them.
+        assert learner.progress()["dropped"].get("backlog_full", 0) > 0, learner.progress()
         versions_during_outage = learner.applied_versions
         daemon.start()
         for _ in range(200):
