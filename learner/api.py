@@ -38,7 +38,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """`auto`: the GPU when there is one, else the CPU."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device {str(device)!r} is not a torch device ({exc})") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: no CUDA device is available to this "
+                         f"torch; use cpu or auto")
+    return resolved
 
 
 class Learner:

@@ -9,12 +9,13 @@ one JSON summary line. Exit codes: 0 done, 2 refused by the coordinator (or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
         parser.error("--steps and --fragments must be positive and 0 <= --shard < --num-shards")
+    for flag, value, least in (("--progress-every", args.progress_every, 1),
+                               ("--threads", args.threads, 1), ("--dim", args.dim, 1),
+                               ("--tokens", args.tokens, 0), ("--eval-every", args.eval_every, 0),
+                               ("--step-ms", args.step_ms, 0)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least} (got {value})")
+    if args.task == "synthetic" and args.fragments > args.dim:
+        parser.error(f"--fragments {args.fragments} exceeds --dim {args.dim}: every "
+                     f"fragment needs at least one parameter")
     run = run_synthetic if args.task == "synthetic" else run_task
     code = run(args)
     # The run is left and every log flushed. Tearing torch and gRPC down at interpreter
@@ -184,6 +194,17 @@ def _finish(run: _Run, args: argparse.Namespace, eval_end: float,
     return 0
 
 
+@contextlib.contextmanager
+def _leaving_on_error(close: Callable[..., None]) -> Iterator[None]:
+    """A training loop that fails still leaves the run: the coordinator stops
+    counting the learner at once instead of when its lease runs out."""
+    try:
+        yield
+    except BaseException as exc:
+        close(reason=f"error: {type(exc).__name__}")
+        raise
+
+
 def run_task(args: argparse.Namespace) -> int:
     import torch
 
@@ -191,7 +212,11 @@ def run_task(args: argparse.Namespace) -> int:
     from learner.tasks import task_named
 
     torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        print(f"ftsync-learner: {exc}", file=sys.stderr)
+        return 2
     task = task_named(args.task, seed=args.seed, device=device, size=args.size)
     model = task.build_model()
     optimizer = task.make_optimizer(model)
@@ -207,39 +232,40 @@ def run_task(args: argparse.Namespace) -> int:
     code = _start(learner.start, args)
     if code:
         return code
-    _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
-    run.eval_start = task.eval_loss(model)
-    run.evals.append((0, run.eval_start))
-    learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
-    print(f"{args.learner_id}: {args.task}/{args.size} on {device}, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters in "
-          f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
-    batches = task.train_batches(args.shard, args.num_shards)
-    while run.steps < args.steps and not run.stop_signal and (
-            not args.tokens or run.tokens < args.tokens):
-        loss, tokens = task.loss(model, next(batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        if args.step_ms:
-            time.sleep(args.step_ms / 1000.0)
-        learner.step(tokens)
-        run.steps += 1
-        run.tokens += tokens
-        run.loss = float(loss.detach())
-        eval_loss = None
-        if args.eval_every and run.steps % args.eval_every == 0:
-            eval_loss = task.eval_loss(model)
-            run.evals.append((run.steps, eval_loss))
-            learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
-        if run.steps % args.progress_every == 0:
-            print(run.line(learner.progress(), eval_loss), flush=True)
-            learner.events.emit("train", learner=args.learner_id, step=run.steps,
-                                loss=run.loss, tokens=run.tokens)
-    eval_end = task.eval_loss(model)
-    run.evals.append((run.steps, eval_end))
-    learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
-    learner.close(reason=run.stop_signal or "done")
+    with _leaving_on_error(learner.close):
+        _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
+        run.eval_start = task.eval_loss(model)
+        run.evals.append((0, run.eval_start))
+        learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
+        print(f"{args.learner_id}: {args.task}/{args.size} on {device}, "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters in "
+              f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
+        batches = task.train_batches(args.shard, args.num_shards)
+        while run.steps < args.steps and not run.stop_signal and (
+                not args.tokens or run.tokens < args.tokens):
+            loss, tokens = task.loss(model, next(batches))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            if args.step_ms:
+                time.sleep(args.step_ms / 1000.0)
+            learner.step(tokens)
+            run.steps += 1
+            run.tokens += tokens
+            run.loss = float(loss.detach())
+            eval_loss = None
+            if args.eval_every and run.steps % args.eval_every == 0:
+                eval_loss = task.eval_loss(model)
+                run.evals.append((run.steps, eval_loss))
+                learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
+            if run.steps % args.progress_every == 0:
+                print(run.line(learner.progress(), eval_loss), flush=True)
+                learner.events.emit("train", learner=args.learner_id, step=run.steps,
+                                    loss=run.loss, tokens=run.tokens)
+        eval_end = task.eval_loss(model)
+        run.evals.append((run.steps, eval_end))
+        learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
+        learner.close(reason=run.stop_signal or "done")
     return _finish(run, args, eval_end, learner.progress())
 
 
@@ -271,22 +297,23 @@ def run_synthetic(args: argparse.Namespace) -> int:
     code = _start(lambda: sync.start(timeout=args.connect_timeout + 30), args)
     if code:
         return code
-    _say_caught_up(args.learner_id, sync.catch_up, sync.peer_address)
-    run.eval_start = task.eval_loss()
-    events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
-    while run.steps < args.steps and not run.stop_signal and (
-            not args.tokens or run.tokens < args.tokens):
-        run.loss, tokens = task.train_step()
-        if args.step_ms:
-            time.sleep(args.step_ms / 1000.0)
-        sync.step(tokens)
-        run.steps += 1
-        run.tokens += tokens
-        if run.steps % args.progress_every == 0:
-            print(run.line(sync.progress(), task.eval_loss()), flush=True)
-            events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
-                        tokens=run.tokens)
-    sync.close(reason=run.stop_signal or "done")
+    with _leaving_on_error(sync.close):
+        _say_caught_up(args.learner_id, sync.catch_up, sync.peer_address)
+        run.eval_start = task.eval_loss()
+        events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
+        while run.steps < args.steps and not run.stop_signal and (
+                not args.tokens or run.tokens < args.tokens):
+            run.loss, tokens = task.train_step()
+            if args.step_ms:
+                time.sleep(args.step_ms / 1000.0)
+            sync.step(tokens)
+            run.steps += 1
+            run.tokens += tokens
+            if run.steps % args.progress_every == 0:
+                print(run.line(sync.progress(), task.eval_loss()), flush=True)
+                events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
+                            tokens=run.tokens)
+        sync.close(reason=run.stop_signal or "done")
     eval_end = task.eval_loss()
     events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
     events.close()

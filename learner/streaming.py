@@ -112,6 +112,10 @@ class SyncSettings:
             raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
         if self.overlap_steps < 1:
             raise ValueError(f"overlap (τ) must be >= 1, got {self.overlap_steps}")
+        if self.overlap_steps > self.sync_every:
+            # The fragment would come due again before its merge is applied.
+            raise ValueError(f"overlap (τ) must be at most sync_every (H): got τ = "
+                             f"{self.overlap_steps}, H = {self.sync_every}")
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
 

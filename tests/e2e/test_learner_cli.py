@@ -1,0 +1,76 @@
+"""`ftsync-learner` as a user runs it: flags it cannot train with are refused
+by name before it connects, and SIGTERM or SIGINT end the run with a Leave
+and a summary."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.daemon import Daemon, wait_until
+
+
+def learner(*args: str) -> list[str]:
+    return [sys.executable, "-m", "learner", "--coordinator", "127.0.0.1:9", *args]
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--progress-every", "0"], ["--progress-every", "at least 1"]),
+    (["--step-ms", "-1"], ["--step-ms", "at least 0"]),
+    (["--threads", "0"], ["--threads"]),
+    (["--tokens", "-5"], ["--tokens"]),
+    (["--sync-every", "4", "--overlap", "10"], ["overlap", "at most sync_every"]),
+    (["--task", "synthetic", "--dim", "16", "--fragments", "1000"], ["--fragments 1000",
+                                                                      "--dim 16"]),
+], ids=["progress", "step-ms", "threads", "tokens", "overlap", "fragments"])
+def test_a_flag_it_cannot_train_with_is_refused_by_name(args: list[str],
+                                                         needles: list[str]) -> None:
+    result = subprocess.run(learner("--task", "synthetic", *args), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert all(n in result.stderr for n in needles), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda"])
+def test_a_device_it_cannot_use_is_named(device: str) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    result = subprocess.run(learner("--task", "digits", "--size", "tiny", "--device", device),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"device {device!r}" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_run_with_a_leave_and_a_summary(
+        start_daemon: Callable[..., Daemon], tmp_path: Path, sig: signal.Signals) -> None:
+    events = tmp_path / "coordinator.jsonl"
+    daemon = start_daemon("--event-log", str(events))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--task",
+         "synthetic", "--dim", "64", "--steps", "100000", "--step-ms", "5",
+         "--progress-every", "10", "--learner-id", "stopped"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    while " step " not in line:
+        assert line, process.stderr.read() if process.stderr else ""
+        line = process.stdout.readline()
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped_by"] == sig.name and summary["steps"] < 100000
+    wait_until(lambda: any(json.loads(e).get("kind") == "leave"
+                           for e in events.read_text().splitlines()),
+               timeout=10, message="the coordinator to see the learner leave")
+    left = [json.loads(e) for e in events.read_text().splitlines() if '"leave"' in e]
+    assert left[0]["learner"] == "stopped" and left[0]["reason"] == sig.name
