@@ -497,6 +497,10 @@ class SynchronizerClient:
                     raise Refused(grpc.StatusCode.UNAVAILABLE,
                                   "the coordinator changed while the call waited") from None
             except _WrongReplica as wrong:
+                if loop.time() >= give_up and not self.address:
+                    # Nobody to be refused by: etcd names no leader, or cannot be reached.
+                    raise TimeoutError("no coordinator leads this run: etcd names none or "
+                                       "cannot be reached") from wrong
                 if loop.time() >= give_up:
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"not_leader: {wrong}") from wrong

@@ -74,3 +74,12 @@ def test_a_signal_ends_the_run_with_a_leave_and_a_summary(
                timeout=10, message="the coordinator to see the learner leave")
     left = [json.loads(e) for e in events.read_text().splitlines() if '"leave"' in e]
     assert left[0]["learner"] == "stopped" and left[0]["reason"] == sig.name
+
+
+def test_an_etcd_that_names_no_leader_is_unreachable_not_a_refusal() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "learner", "--task", "synthetic", "--coordinator",
+         "etcd://127.0.0.1:9/run", "--connect-timeout", "2"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert "cannot reach a coordinator at etcd://127.0.0.1:9/run" in result.stderr
