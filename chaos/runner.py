@@ -217,15 +217,18 @@ class ProcessCluster:
         kind = fault.kind
         slot = next((s for s in self.learners if s.learner_id == target), None)
         detail = ""
-        # A fault on a learner that is not running (down, done) is skipped, and
-        # so is its heal: healing it would start a second process for the slot.
+        # A fault on a process that is not running (down, done) is skipped, and so
+        # is its heal: overlapping windows would start a second process in its place.
         occurrence = (id(fault), action.occurrence)
-        if kind in ("kill_learner", "pause_learner", "straggle") and slot is not None and (
-                occurrence in self._skipped or (not action.heal and not slot.running)):
+        not_running = self._not_running(kind, target, slot)
+        if not_running is not None and (occurrence in self._skipped or not action.heal):
             self._skipped.add(occurrence)
             self.events.emit("fault_skipped", fault=kind, target=target,
-                             action="heal" if action.heal else "inject",
-                             reason=f"learner is {slot.state}")
+                             action="heal" if action.heal else "inject", reason=not_running)
+            return
+        if occurrence in self._skipped:
+            self.events.emit("fault_skipped", fault=kind, target=target, action="heal",
+                             reason="its injection was skipped")
             return
         if kind == "kill_learner" and slot is not None:
             if not action.heal:
@@ -277,6 +280,18 @@ class ProcessCluster:
                                    fault.bandwidth_bytes_s)
         self.events.emit("fault", fault=kind, target=target,
                          action="heal" if action.heal else "inject", detail=detail)
+
+    def _not_running(self, kind: str, target: str, slot: LearnerSlot | None) -> str | None:
+        """Why the process a kill or pause targets is not running now; None if it is
+        (or the fault targets no single process)."""
+        if kind in ("kill_learner", "pause_learner", "straggle") and slot is not None:
+            return None if slot.running else f"learner is {slot.state}"
+        if kind == "kill_coordinator":
+            return None if self.coordinator_up else "the coordinator is down"
+        if kind == "kill_etcd_member" and self.etcd is not None:
+            member = self.etcd.members[int(target.removeprefix("m"))]
+            return None if member.running else f"etcd member {target} is down"
+        return None
 
     def _leader_fault(self, action: Action, occurrence: tuple[int, int]) -> None:
         """Kill, pause or cut off from etcd the replica leading now; heal that one."""

@@ -21,6 +21,13 @@ from chaos.runner import live_view, run_cluster
 from coordinator.config import ConfigError
 
 
+def _earlier_run(out: Path) -> bool:
+    """Whether `out` may be emptied for a new run: it is empty, or a run wrote it
+    (every run starts with its harness log). Anything else is the user's."""
+    return out.is_dir() and (not any(out.iterdir())
+                             or (out / "harness.events.jsonl").is_file())
+
+
 def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     console = Console(soft_wrap=True)
     try:
@@ -30,6 +37,10 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
         return 2
     out = out or Path("runs") / experiment.name
     if out.exists():
+        if not _earlier_run(out):
+            print(f"ftsync-chaos: {out} exists and does not hold an earlier run's output; "
+                  f"give --out a new or empty directory", file=sys.stderr)
+            return 2
         shutil.rmtree(out)
     console.print(f"running [bold]{experiment.name}[/bold] ({experiment.learners.count} "
                   f"learners, {len(experiment.faults)} fault specs, seed {experiment.seed}); "

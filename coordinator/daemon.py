@@ -65,6 +65,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         # Learners ping every 10 s to notice cut connections; let them.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # gRPC shares ports by default: a second daemon on the same address (and the
+        # same state directory) must fail to start, not split the learners with it.
+        ("grpc.so_reuseport", 0),
     ])
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)

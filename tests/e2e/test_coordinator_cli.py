@@ -54,3 +54,22 @@ def test_a_busy_port_and_an_unusable_state_directory_are_named(tmp_path: Path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "cannot start" in result.stderr and "Not a directory" in result.stderr
+
+
+def test_a_second_coordinator_on_the_same_address_does_not_start(tmp_path: Path) -> None:
+    first = subprocess.Popen([sys.executable, "-m", "coordinator", "--listen", "127.0.0.1:0",
+                              "--state-dir", str(tmp_path / "state")],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert first.stdout is not None
+        line = first.stdout.readline()
+        while "listening on" not in line:
+            assert line, "the first coordinator exited"
+            line = first.stdout.readline()
+        address = line.split()[-1]
+        second = start(tmp_path, "--listen", address)
+        assert second.returncode == 1, second.stdout
+        assert f"cannot listen on {address}" in second.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=30)

@@ -33,3 +33,14 @@ def test_a_bad_experiment_file_stops_before_anything_starts(tmp_path: Path) -> N
     assert result.returncode == 2
     assert "unknown key 'faults.0.evry_s'" in result.stderr and "line 6" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_directory_that_is_not_an_earlier_run_is_left_alone(tmp_path: Path) -> None:
+    mine = tmp_path / "notes.txt"
+    mine.write_text("not a run")
+    result = subprocess.run([sys.executable, "-m", "chaos", "run", "experiments/quickstart.toml",
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "does not hold an earlier run's output" in result.stderr
+    assert mine.read_text() == "not a run"

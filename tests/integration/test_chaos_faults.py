@@ -198,3 +198,26 @@ def test_a_learner_killed_mid_push_leaves_no_partial_contribution(tmp_path: Path
     assert any(e["kind"] == "commit" and e["t"] > restart["t"]
                and any(item["learner"] == "learner-0" for item in e["manifest"])
                for e in events), "the restarted learner was never merged"
+
+
+OVERLAPPING = EXPERIMENT.format(
+    kind="kill_coordinator", target="coordinator", duration=2, top="", coordinator="",
+    steps=900, learners="", etcd="", checks="", extra="count = 2").replace(
+    "at_s = 2.5", "every_s = 1.5")
+
+
+def test_overlapping_windows_never_start_a_second_coordinator(tmp_path: Path) -> None:
+    """Kills at 1.5 s and 3 s, heals at 3.5 s and 5 s: the second kill finds the
+    coordinator down, so it and its heal are skipped."""
+    path = tmp_path / "overlap.toml"
+    path.write_text(OVERLAPPING)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
+                             "--quiet"], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["kind"] == "process_start" and e["name"] == "coordinator"]
+    assert len(starts) == 2, starts
+    skipped = [(e["action"], e["reason"]) for e in events if e["kind"] == "fault_skipped"]
+    assert skipped == [("inject", "the coordinator is down"),
+                       ("heal", "its injection was skipped")], skipped
