@@ -85,9 +85,10 @@ def experiment_text(kind: str) -> str:
         checks="max_failover_s = 4.0" if kind != "kill_etcd_member" else "")
 
 
-def run(tmp_path: Path, kind: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    path = tmp_path / f"{kind}.toml"
-    path.write_text(experiment_text(kind))
+def run(tmp_path: Path, name: str, text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run experiment `text` through the user's command; its events and summary."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
                              "--quiet"], capture_output=True, text=True, timeout=180)
@@ -99,7 +100,7 @@ def run(tmp_path: Path, kind: str) -> tuple[list[dict[str, Any]], dict[str, Any]
 
 @pytest.mark.parametrize("kind", sorted(FAULTS))
 def test_fault_kind_is_survived(tmp_path: Path, kind: str) -> None:
-    events, summary = run(tmp_path, kind)
+    events, summary = run(tmp_path, kind, experiment_text(kind))
     faults = [e for e in events if e["kind"] == "fault" and e["fault"] == kind]
     assert [f["action"] for f in faults] == ["inject", "heal"]
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
@@ -172,13 +173,7 @@ duration_s = 40""")
 
 
 def test_a_learner_killed_mid_push_leaves_no_partial_contribution(tmp_path: Path) -> None:
-    path = tmp_path / "mid-push.toml"
-    path.write_text(MID_PUSH)
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
-                             "--quiet"], capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events, _ = run(tmp_path, "mid-push", MID_PUSH)
     kill = next(e for e in events if e["kind"] == "fault" and e["fault"] == "kill_learner"
                 and e["action"] == "inject")
     words = kill["detail"].split()
@@ -209,13 +204,7 @@ OVERLAPPING = EXPERIMENT.format(
 def test_overlapping_windows_never_start_a_second_coordinator(tmp_path: Path) -> None:
     """Kills at 1.5 s and 3 s, heals at 3.5 s and 5 s: the second kill finds the
     coordinator down, so it and its heal are skipped."""
-    path = tmp_path / "overlap.toml"
-    path.write_text(OVERLAPPING)
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
-                             "--quiet"], capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    events, _ = run(tmp_path, "overlap", OVERLAPPING)
     starts = [e for e in events if e["kind"] == "process_start" and e["name"] == "coordinator"]
     assert len(starts) == 2, starts
     skipped = [(e["action"], e["reason"]) for e in events if e["kind"] == "fault_skipped"]
