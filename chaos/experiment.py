@@ -8,13 +8,15 @@ the fault specs into a concrete, seeded timeline, so a run can be replayed.
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from coordinator.config import ConfigError, load
+from coordinator.config import ConfigError, CoordinatorConfig, load
 
 FaultKind = Literal[
     "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
@@ -27,6 +29,8 @@ NETWORK_FAULTS = {"partition_learner", "latency", "bandwidth", "reset_connection
 # Faults on the replica that leads a highly available synchronizer.
 LEADER_FAULTS = {"kill_leader", "pause_leader", "partition_leader_from_etcd"}
 ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
+# The outer optimizer of async runs unless their settings say otherwise (BENCHMARKS.md).
+ASYNC_OUTER: Final = {"outer.lr": 0.3, "outer.momentum": 0.0}
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,19 @@ class CoordinatorSpec:
             raise ValueError(f"coordinator.min_quorum must be at least 1 (got {self.min_quorum})")
         if self.replicas < 1:
             raise ValueError(f"coordinator.replicas must be at least 1 (got {self.replicas})")
+        # Checked as the coordinator will read them, before anything starts.
+        try:
+            load(CoordinatorConfig, None, self.overrides())
+        except ConfigError as exc:
+            raise ValueError(f"coordinator.settings: {exc}".replace(
+                " (from the command line)", "")) from None
+
+    def overrides(self) -> dict[str, str]:
+        """The settings as the coordinator's `--set` overrides. Async runs default to
+        an outer step without momentum: with quorum 1 each round merges a few stale
+        deltas, and DiLoCo's Nesterov momentum (the coordinator's default) diverges."""
+        defaults = ASYNC_OUTER if self.mode == "async" else {}
+        return {key: str(value) for key, value in {**defaults, **self.settings}.items()}
 
     @property
     def run(self) -> str:
@@ -129,10 +146,13 @@ class FaultSpec:
             raise ValueError(f"a fault needs exactly one of at_s, every_s or mtbf_s "
                              f"(kind {self.kind!r} has {when or 'none'})")
         value = getattr(self, when[0])
-        if value < 0 or (when[0] != "at_s" and value <= 0):
-            raise ValueError(f"{when[0]} must be positive (got {value})")
-        if self.duration_s < 0:
-            raise ValueError(f"duration_s must be >= 0 (got {self.duration_s})")
+        if not math.isfinite(value) or value < 0 or (when[0] != "at_s" and value <= 0):
+            raise ValueError(f"{when[0]} must be positive and finite (got {value})")
+        if not 0 <= self.duration_s < math.inf:
+            raise ValueError(f"duration_s must be >= 0 and finite (got {self.duration_s})")
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0 (got {self.count}; 0: as often as the "
+                             f"run allows)")
         if self.kind == "kill_coordinator" and self.target not in ("coordinator", "random"):
             raise ValueError(f"target of kill_coordinator must be 'coordinator' "
                              f"(got {self.target!r})")
@@ -167,6 +187,17 @@ class ChecksSpec:
     # From each leader fault to the first commit of a newer epoch (0: not checked).
     max_failover_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        for key in ("max_blocked_s", "max_failover_s"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"{key} must be >= 0 and finite (0: not checked)")
+        for key in ("min_goodput", "min_uptime"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} is a share: it must be in [0, 1] "
+                                 f"(got {getattr(self, key)})")
+        if not 0 < self.window_s < math.inf:
+            raise ValueError(f"window_s must be > 0 and finite (got {self.window_s})")
+
 
 @dataclass(frozen=True)
 class Experiment:
@@ -183,10 +214,14 @@ class Experiment:
     checks: ChecksSpec = field(default_factory=ChecksSpec)
 
     def __post_init__(self) -> None:
-        if self.max_duration_s <= 0:
-            raise ValueError(f"max_duration_s must be positive (got {self.max_duration_s})")
+        if not 0 < self.max_duration_s < math.inf:
+            raise ValueError(f"max_duration_s must be positive and finite "
+                             f"(got {self.max_duration_s})")
         ids = set(self.learners.ids())
         for i, fault in enumerate(self.faults):
+            if fault.at_s is not None and fault.at_s >= self.max_duration_s:
+                raise ValueError(f"faults.{i}.at_s {fault.at_s:g} is not before the end of the "
+                                 f"run (max_duration_s {self.max_duration_s:g})")
             if fault.kind in LEARNER_FAULTS and fault.target not in ids | {"random"}:
                 raise ValueError(f"faults.{i}.target {fault.target!r} is not a learner of "
                                  f"this experiment ({', '.join(sorted(ids))} or 'random')")
@@ -263,6 +298,8 @@ def schedule(experiment: Experiment) -> list[Action]:
     rng = random.Random(experiment.seed)
     horizon = experiment.max_duration_s
     actions: list[Action] = []
+    # Numbered across every adversary entry: each runs as a learner of its own.
+    adversaries = itertools.count()
     for fault in experiment.faults:
         for n, start in enumerate(_occurrences(fault, horizon, rng)):
             target = fault.target
@@ -274,7 +311,7 @@ def schedule(experiment: Experiment) -> list[Action]:
                 target = ("coordinator" if fault.kind == "kill_coordinator"
                           else rng.choice(experiment.learners.ids()))
             if fault.kind == "adversary":
-                target = f"adversary-{n}"
+                target = f"adversary-{next(adversaries)}"
             actions.append(Action(start, fault, target, heal=False, occurrence=n))
             actions.append(Action(start + fault.duration_s, fault, target, heal=True,
                                   occurrence=n))

@@ -83,7 +83,7 @@ class ProcessCluster:
             args += ["--sync-mode", str(experiment.learners.count)]
         else:
             args += ["--min-quorum", str(spec.min_quorum)]
-        for key, value in spec.settings.items():
+        for key, value in spec.overrides().items():
             args += ["--set", f"{key}={value}"]
         # Shared by a single coordinator and by replicas (each with its own event log).
         self.coordinator_args = args

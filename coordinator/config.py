@@ -259,6 +259,8 @@ class _Locator:
     def __call__(self, keys: tuple[str, ...]) -> str:
         if not self.path or ".".join(keys) in self.overridden:
             return "(from the command line)"
+        if not keys:
+            return f"({self.path})"
         # Tables are named by their header; the n-th [[array]] entry by index n.
         section = tuple(k for k in keys[:-1])
         current: tuple[str, ...] = ()
@@ -273,6 +275,8 @@ class _Locator:
                     current = (*name.split("."), str(arrays[name]))
                 else:
                     current = tuple(name.split("."))
+                if current == keys:  # the key is this table
+                    return f"({self.path}, line {number})"
                 continue
             if current == section and re.match(rf'"?{re.escape(keys[-1])}"?\s*=', stripped):
                 return f"({self.path}, line {number})"
@@ -295,6 +299,12 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: tuple[str, ...],
             hint = f"; did you mean {'.'.join((*prefix, close[0]))!r}?" if close else ""
             raise ConfigError(f"unknown key {'.'.join(keys)!r} {where(keys)}{hint}")
         kwargs[key] = _coerce(hints[key], value, keys, where)
+    missing = [name for name, f in fields.items() if name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        table = f"table {'.'.join(prefix)!r}" if prefix else "the file"
+        raise ConfigError(f"{table} needs key {'.'.join((*prefix, missing[0]))!r} "
+                          f"{where(prefix)}")
     try:
         return cls(**kwargs)
     except ValueError as exc:

@@ -57,6 +57,13 @@ def test_the_shipped_set_is_complete() -> None:
     ('kind = "latency"\nat_s = 1\nlatency_ms = "slow"', ["faults.0.latency_ms must be float",
                                                           "line 11"]),
     ('kind = "kill_learner"\nat_s = 1\nwhen = 3', ["unknown key 'faults.0.when'", "line 11"]),
+    # A NaN time sorts first and froze the schedule behind it.
+    ('kind = "kill_learner"\nat_s = nan', ["faults.0.at_s", "finite", "line 10"]),
+    ('kind = "kill_learner"\nat_s = 1\nduration_s = inf', ["duration_s", "finite", "line 11"]),
+    ('kind = "kill_learner"\nevery_s = 5\ncount = -1', ["count must be >= 0", "line 11"]),
+    ('kind = "kill_learner"\nat_s = 120', ["at_s 120 is not before the end of the run",
+                                             "max_duration_s 100", "line 10"]),
+    ('target = "learner-1"\nat_s = 1', ["needs key 'faults.0.kind'", "line 8"]),
 ])
 def test_bad_fault_names_key_and_line(tmp_path: Path, fault: str, needles: list[str]) -> None:
     message = error_of(tmp_path, BASE + "\n[[faults]]\n" + fault + "\n")
@@ -83,6 +90,23 @@ def test_other_sections_are_checked_too(tmp_path: Path) -> None:
     assert "coordinator.mode must be one of" in error_of(
         tmp_path, BASE + '\n[coordinator]\nmode = "eventual"\n')
     assert "unknown key 'chekcs'" in error_of(tmp_path, BASE + "\n[chekcs]\nmin_uptime = 1\n")
+    assert "the file needs key 'name'" in error_of(tmp_path, BASE.replace('name = "t"\n', ""))
+
+
+@pytest.mark.parametrize(("section", "needles"), [
+    ("[checks]\nmin_goodput = 7", ["checks.min_goodput", "[0, 1]", "line 9"]),
+    ("[checks]\nwindow_s = 0", ["checks.window_s", "> 0", "line 9"]),
+    ("[checks]\nmax_blocked_s = -5", ["checks.max_blocked_s", ">= 0", "line 9"]),
+    # The coordinator's own settings are checked as it will read them, before it starts.
+    ('[coordinator.settings]\n"policy.grace_max_sec" = 0.3',
+     ["coordinator.settings", "did you mean 'policy.grace_max_s'", "line 8"]),
+    ('[coordinator.settings]\n"outer.lr" = -1', ["coordinator.settings", "outer.lr", "line 8"]),
+])
+def test_checks_and_coordinator_settings_are_validated(tmp_path: Path, section: str,
+                                                       needles: list[str]) -> None:
+    message = error_of(tmp_path, BASE + "\n" + section + "\n")
+    for needle in needles:
+        assert needle in message, message
 
 
 def test_missing_file_and_syntax_error(tmp_path: Path) -> None:
@@ -161,3 +185,11 @@ def test_leader_faults_target_the_leader_and_etcd_faults_a_seeded_member(
     assert members and set(members) <= {"m0", "m1", "m2"}
     assert members == [a.target for a in schedule(load_experiment(path))
                        if a.fault.kind == "kill_etcd_member"]
+
+
+def test_every_adversary_runs_as_a_learner_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(BASE + '\n[[faults]]\nkind = "adversary"\nat_s = 1\n'
+                    '\n[[faults]]\nkind = "adversary"\nevery_s = 30\ncount = 2\n')
+    injections = [a.target for a in schedule(load_experiment(path)) if not a.heal]
+    assert sorted(injections) == ["adversary-0", "adversary-1", "adversary-2"]
