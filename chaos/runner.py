@@ -447,6 +447,9 @@ class ProcessCluster:
                 assert slot.process is not None
                 slot.process.send_signal(signal.SIGCONT)
                 slot.process.send_signal(signal.SIGTERM)
+        for adversary in self.adversaries:
+            if adversary.poll() is None:
+                adversary.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in [s.process for s in self.learners if s.process] + self.adversaries:
             try:

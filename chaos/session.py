@@ -7,6 +7,7 @@ only when every check passed.
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from chaos.history import load_log, write_events
 from chaos.report import write_report
 from chaos.runner import live_view, run_cluster
 from coordinator.config import ConfigError
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _earlier_run(out: Path) -> bool:
@@ -45,6 +50,9 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     console.print(f"running [bold]{experiment.name}[/bold] ({experiment.learners.count} "
                   f"learners, {len(experiment.faults)} fault specs, seed {experiment.seed}); "
                   f"output in {out}/")
+    # A polite kill of the harness stops the cluster as Ctrl-C does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         if live:
             display, tick = live_view(console)

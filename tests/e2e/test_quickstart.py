@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,3 +46,41 @@ def test_an_out_directory_that_is_not_an_earlier_run_is_left_alone(tmp_path: Pat
     assert result.returncode == 2, result.stderr
     assert "does not hold an earlier run's output" in result.stderr
     assert mine.read_text() == "not a run"
+
+
+SMALL = """\
+name = "stopped"
+max_duration_s = 120
+
+[learners]
+count = 2
+task = "synthetic"
+steps = 100000
+args = ["--step-ms", "5"]
+"""
+
+
+def test_a_terminated_harness_stops_everything_it_started(tmp_path: Path) -> None:
+    experiment = tmp_path / "small.toml"
+    experiment.write_text(SMALL)
+    out = tmp_path / "out"
+    harness = subprocess.Popen([sys.executable, "-m", "chaos", "run", str(experiment), "--out",
+                                str(out), "--quiet"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    log = out / "harness.events.jsonl"
+
+    def started() -> list[dict[str, object]]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [e for e in map(json.loads, lines) if e["kind"] == "process_start"]
+
+    deadline = time.monotonic() + 60
+    while len([e for e in started() if e["role"] == "learner"]) < 2:
+        assert time.monotonic() < deadline and harness.poll() is None, harness.stderr
+        time.sleep(0.2)
+    harness.send_signal(signal.SIGTERM)
+    _, err = harness.communicate(timeout=120)
+    assert harness.returncode == 130, err[-2000:]
+    for process in started():
+        pid = int(str(process["pid"]))
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+            f"/proc/{pid}/status").read_text().lower(), f"{process['name']} ({pid}) outlived it"
