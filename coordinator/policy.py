@@ -180,11 +180,19 @@ class Policy:
     # -- membership -------------------------------------------------------
 
     def join(self, learner_id: str, now: float, overlap_steps: int | None = None) -> int:
-        """Register (or re-register) a learner; returns the first seq it may use."""
+        """Register (or re-register) a learner; returns the first seq it may use.
+
+        A learner joining again (restarted) is not live until it heartbeats or
+        contributes: it catches up first and meanwhile holds no round open, and
+        its previous life's liveness does not carry over."""
+        again = learner_id in self._learners or learner_id in self._seen_seq
         self._learners[learner_id] = _Learner(
             overlap_steps=overlap_steps or self.config.default_overlap_steps,
             joined_at=now, last_seen=now)
-        self.membership.renew(learner_id, now)
+        if again:
+            self.membership.drop(learner_id)
+        else:
+            self.membership.renew(learner_id, now)
         return self._seen_seq.get(learner_id, 0) + 1
 
     def heartbeat(self, learner_id: str, now: float, local_step: int) -> None:

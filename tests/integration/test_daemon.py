@@ -121,6 +121,34 @@ def test_a_learner_that_stops_beating_no_longer_holds_rounds(
     asyncio.run(scenario())
 
 
+def test_a_learner_joining_again_holds_no_round_open_until_it_is_heard_from(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """A restarted learner joins, then catches up; until it heartbeats it counts for
+    nothing, so the others' rounds close as soon as they have all contributed."""
+    daemon = start_daemon("--set", "policy.grace_max_s=30")
+
+    async def run() -> None:
+        a, b = await joined(daemon, "a", "b")
+        await contribute(a)
+        await contribute(b, value=0.3)
+        assert (await a.pull(0, have_version=0, wait_s=10.0)).version == 1  # type: ignore[union-attr]
+        restarted = client(daemon, "b")
+        await restarted.join()  # and stays silent, as while it loads the model
+        started = time.monotonic()
+        await contribute(a, base_version=1)
+        pulled = await a.pull(0, have_version=1, wait_s=10.0)
+        assert pulled is not None and pulled.version == 2
+        assert time.monotonic() - started < 5.0  # not the 30 s grace window
+        live = {s.learner_id: s.live for s in daemon.status().learners}
+        assert live == {"a": True, "b": False}
+        await restarted.heartbeat(local_step=0)
+        assert {s.learner_id: s.live for s in daemon.status().learners}["b"]
+        for c in (a, b, restarted):
+            await c.close()
+
+    asyncio.run(run())
+
+
 def test_concurrent_pushers_each_merge_exactly_once(start_daemon: Callable[..., Daemon]) -> None:
     daemon = start_daemon("--min-quorum", "6", "--set", "policy.grace_max_s=0",
                           "--set", "limits.staging_bytes=24000")

@@ -445,7 +445,7 @@ def test_heartbeat_keeps_a_learner_live_and_blocking() -> None:
     assert policy.due(19.5) == [0]
 
 
-def test_leave_makes_a_learner_not_live_and_rejoin_restores_it() -> None:
+def test_leave_makes_a_learner_not_live_and_a_rejoin_is_live_once_heard_from() -> None:
     policy = three_learners(PolicyConfig(min_quorum=2, grace_max_s=100.0))
     contribute(policy, 1.0, "a", seq=1)
     contribute(policy, 1.0, "b", seq=1)
@@ -454,9 +454,19 @@ def test_leave_makes_a_learner_not_live_and_rejoin_restores_it() -> None:
     assert not policy.is_live("c", 1.0)
     assert "c" in policy.known_learners()
     assert policy.due(1.0) == [0]
+    policy.close(0, 1.0)
     assert policy.join("c", 2.0) == 1
-    assert policy.is_live("c", 2.0)
-    assert policy.due(2.0) == []
+    # Back, but catching up: it holds no round open until it heartbeats.
+    assert not policy.is_live("c", 2.0)
+    contribute(policy, 2.0, "a", seq=2, base=1)
+    contribute(policy, 2.0, "b", seq=2, base=1)
+    assert policy.due(2.0) == [0]
+    policy.close(0, 2.0)
+    policy.heartbeat("c", 3.0, local_step=0)
+    assert policy.is_live("c", 3.0)
+    contribute(policy, 3.0, "a", seq=3, base=2)
+    contribute(policy, 3.0, "b", seq=3, base=2)
+    assert policy.due(3.0) == []  # now the round waits for c
 
 
 def test_unknown_learner_is_not_live() -> None:
@@ -758,6 +768,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.versions = dict(zip(FRAGMENTS, initial, strict=True))
         self.policy = Policy(config, versions=dict(self.versions))
         self.members: dict[str, ModelLearner] = {}  # joined and not left
+        self.joined_ever: set[str] = set()
         self.seen: dict[str, int] = {}
         self.rounds: dict[int, list[MergedContribution]] = {p: [] for p in FRAGMENTS}
         self.watermarks: dict[int, dict[str, int]] = {p: {} for p in FRAGMENTS}
@@ -837,7 +848,10 @@ class PolicyMachine(RuleBasedStateMachine):
     def join(self, learner: str, overlap: int | None) -> None:
         seq = self.policy.join(learner, self.now, overlap_steps=overlap)
         assert seq == self.seen.get(learner, 0) + 1
-        self.members[learner] = ModelLearner(last_seen=self.now)
+        # Joining again (a restart): not live until heard from, while it catches up.
+        again = learner in self.joined_ever
+        self.joined_ever.add(learner)
+        self.members[learner] = ModelLearner(last_seen=-math.inf if again else self.now)
 
     @rule(learner=st.sampled_from((*LEARNERS, GHOST)), progress=st.integers(0, 3))
     def heartbeat(self, learner: str, progress: int) -> None:
@@ -1005,6 +1019,8 @@ class PolicyMachine(RuleBasedStateMachine):
         for marks in self.watermarks.values():
             for lid, seq in marks.items():
                 self.seen[lid] = max(self.seen.get(lid, 0), seq)
+        # What the restored policy knows of a learner is its merged seqs.
+        self.joined_ever = set(self.seen)
 
     def teardown(self) -> None:
         # Every round with quorum closes by its deadline once time moves on.
