@@ -414,9 +414,11 @@ def no_learner_blocked(events: Sequence[Event], bound_s: float) -> CheckResult:
 
     Not healthy: down, paused or partitioned (`history.outages`), and the
     `bound_s` after such an outage heals (a restarted learner catches up
-    first). Only the span between a learner's first and last `train` is
-    judged. What counts is the longest healthy stretch inside each gap
-    between two consecutive `train` events.
+    first). The span between a learner's first and last `train` is judged,
+    and, when the run was cut at `max_duration_s`, the span from its last
+    `train` to the cut if its process was still running then: a cluster that
+    froze near its end would otherwise pass. What counts is the longest
+    healthy stretch inside each gap.
     """
     if bound_s <= 0:
         raise ValueError(f"bound_s must be positive, got {bound_s}")
@@ -426,19 +428,28 @@ def no_learner_blocked(events: Sequence[Event], bound_s: float) -> CheckResult:
     trains: dict[str, list[Event]] = defaultdict(list)
     for e in _learner_side(events, "train"):
         trains[e.learner].append(e)
+    cut = next((e for e in events if e.source == HARNESS and e.kind == "run_stop"
+                and e.get("reason") == "max_duration_s reached"), None)
     found: list[tuple[float, _Violation]] = []
     longest: dict[str, float] = {}
     for learner in sorted(trains):
         series = trains[learner]
         longest[learner] = 0.0
-        for a, b in pairwise(series):
+        gaps = [(a, b, f"between train #{a.index} and #{b.index}")
+                for a, b in pairwise(series)]
+        last = series[-1]
+        if cut is not None and not any(
+                e.source == HARNESS and e.kind == "process_exit" and e.get("name") == learner
+                and last.t <= e.t <= cut.t for e in events):
+            gaps.append((last, cut, f"from train #{last.index} to the cut at "
+                                    f"max_duration_s (#{cut.index})"))
+        for a, b, where in gaps:
             stretch = _longest_uncovered(a.t, b.t, exempt[learner])
             longest[learner] = max(longest[learner], stretch)
             if stretch > bound_s:
                 found.append((stretch, _Violation(
                     f"learner {learner} made no progress for {stretch:.1f}s while healthy "
-                    f"(bound {bound_s:g}s) between train #{a.index} and #{b.index}",
-                    (a.index, b.index))))
+                    f"(bound {bound_s:g}s) {where}", (a.index, b.index))))
     found.sort(key=lambda f: -f[0])
     details = {"bound_s": bound_s,
                "longest_healthy_gap_s": {k: round(v, 3) for k, v in longest.items()}}

@@ -438,6 +438,8 @@ class ProcessCluster:
 
     def stop(self, reason: str, grace_s: float = 60.0) -> None:
         """Stop everything started, politely first; safe to call more than once."""
+        # The moment the run was cut, before the seconds stopping takes.
+        self.events.emit("run_stop", reason=reason)
         for slot in self.learners:
             if slot.straggler is not None:
                 slot.straggler.set()

@@ -445,6 +445,30 @@ def test_a_fault_does_not_excuse_a_long_healthy_stretch_before_it() -> None:
     assert result.details["longest_healthy_gap_s"] == {"a": 14.0}
 
 
+def test_a_cluster_frozen_until_the_run_is_cut_is_blocked() -> None:
+    log = LogBuilder()
+    log.harness(0.0, "run_start", learners=["a", "b"])
+    a = _trains(log, "a", [1, 2, 3])
+    _trains(log, "b", [1, 2, 3, 4])
+    log.harness(4.5, "process_exit", name="b", code=0)  # b finished: not judged after
+    cut = log.harness(50.0, "run_stop", reason="max_duration_s reached")
+    log.harness(60.0, "run_end", reason="max_duration_s reached")
+    result = checkers.no_learner_blocked(log.events(), bound_s=5.0)
+    assert not result.passed
+    assert result.events == [log.at(a[2]), log.at(cut)]
+    assert "to the cut at max_duration_s" in result.message, result.message
+    assert result.details["longest_healthy_gap_s"] == {"a": 47.0, "b": 1.0}
+
+
+def test_a_run_whose_learners_finished_is_not_judged_after_them() -> None:
+    log = LogBuilder()
+    log.harness(0.0, "run_start", learners=["a"])
+    _trains(log, "a", [1, 2, 3])
+    log.harness(50.0, "run_stop", reason="learners finished")
+    result = checkers.no_learner_blocked(log.events(), bound_s=5.0)
+    assert result.passed, result.message
+
+
 # -- loss_decreased ------------------------------------------------------------------------------
 
 
