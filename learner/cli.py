@@ -125,6 +125,14 @@ def _say_caught_up(learner_id: str, catch_up: CatchUp | None,
               f"peers)", flush=True)
 
 
+def _say_leaving(learner_id: str, backlog: int) -> None:
+    """Leaving waits for what is not yet merged (a dead coordinator: the whole
+    flush timeout), so say so rather than hang silently."""
+    if backlog:
+        print(f"{learner_id}: leaving; sending the {backlog} contributions not yet merged "
+              f"(up to 30 s)", flush=True)
+
+
 @dataclass
 class _Run:
     """What a training loop reports, whichever task it runs."""
@@ -164,6 +172,9 @@ def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
     """Join; 0 on success, else the exit code after saying what to do."""
     try:
         start()
+    except KeyboardInterrupt:
+        print(f"ftsync-learner: interrupted while joining {args.coordinator}", file=sys.stderr)
+        return 130
     except Refused as refused:
         hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id",
                 "layout_mismatch": "every learner of a run must use the same task, size "
@@ -228,10 +239,10 @@ def run_task(args: argparse.Namespace) -> int:
                       connect_timeout_s=args.connect_timeout, peers=args.peers,
                       serve_peers=args.serve_peers, peer_transport=args.peer_transport)
     run = _Run(args.learner_id)
-    _on_signals(run)
     code = _start(learner.start, args)
     if code:
         return code
+    _on_signals(run)  # from here on a signal ends the run cleanly, between steps
     with _leaving_on_error(learner.close):
         _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
         run.eval_start = task.eval_loss(model)
@@ -265,6 +276,7 @@ def run_task(args: argparse.Namespace) -> int:
         eval_end = task.eval_loss(model)
         run.evals.append((run.steps, eval_end))
         learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
+        _say_leaving(args.learner_id, learner.backlog)
         learner.close(reason=run.stop_signal or "done")
     return _finish(run, args, eval_end, learner.progress())
 
@@ -293,10 +305,10 @@ def run_synthetic(args: argparse.Namespace) -> int:
                                              lockstep=args.lockstep),
                         read, write, args.peer_settings)
     run = _Run(args.learner_id)
-    _on_signals(run)
     code = _start(lambda: sync.start(timeout=args.connect_timeout + 30), args)
     if code:
         return code
+    _on_signals(run)
     with _leaving_on_error(sync.close):
         _say_caught_up(args.learner_id, sync.catch_up, sync.peer_address)
         run.eval_start = task.eval_loss()
@@ -313,6 +325,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
                 print(run.line(sync.progress(), task.eval_loss()), flush=True)
                 events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
                             tokens=run.tokens)
+        _say_leaving(args.learner_id, sync.backlog)
         sync.close(reason=run.stop_signal or "done")
     eval_end = task.eval_loss()
     events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,3 +84,13 @@ def test_an_etcd_that_names_no_leader_is_unreachable_not_a_refusal() -> None:
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 3, result.stderr
     assert "cannot reach a coordinator at etcd://127.0.0.1:9/run" in result.stderr
+
+
+def test_ctrl_c_while_joining_ends_at_once() -> None:
+    process = subprocess.Popen(learner("--task", "synthetic", "--connect-timeout", "60"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # importing and then retrying the unreachable address
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=20)
+    assert process.returncode == 130, err
+    assert "interrupted while joining 127.0.0.1:9" in err
