@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
@@ -62,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
     status.add_argument("--once", action="store_true", help="print one table and exit")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    status.add_argument("--token", default=os.environ.get("FTSYNC_ADMIN_TOKEN"),
+                        help="the daemon's auth.admin_token, if it has one "
+                             "(or FTSYNC_ADMIN_TOKEN)")
     return parser
 
 
@@ -102,21 +106,25 @@ def _status(args: argparse.Namespace) -> int:
     console = Console()
     channel = grpc.insecure_channel(args.address)
     stub = pb_grpc.AdminStub(channel)
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     previous: tuple[float, pb.StatusResponse] | None = None
     try:
         if args.once:
-            console.print(render_status(stub.Status(pb.StatusRequest(), timeout=5), None))
+            console.print(render_status(
+                stub.Status(pb.StatusRequest(), timeout=5, metadata=metadata), None))
             return 0
         with Live(console=console, auto_refresh=False) as live:
             while True:
-                status = stub.Status(pb.StatusRequest(), timeout=5)
+                status = stub.Status(pb.StatusRequest(), timeout=5, metadata=metadata)
                 now = time.monotonic()
                 live.update(render_status(status, previous and (now - previous[0],
                                                                 previous[1])), refresh=True)
                 previous = (now, status)
                 time.sleep(args.interval)
     except grpc.RpcError as exc:
-        console.print(f"[red]cannot reach the coordinator at {args.address}: "
+        problem = ("refused by" if exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                   else "cannot reach")
+        console.print(f"[red]{problem} the coordinator at {args.address}: "
                       f"{exc.code().name} {exc.details()}[/red]")
         return 1
     except KeyboardInterrupt:

@@ -96,6 +96,8 @@ class AuthConfig:
     tokens: Mapping[str, str] = field(default_factory=dict)
     # TOML file with a [tokens] table, kept out of the main config.
     tokens_file: str = ""
+    # Bearer token Admin.Status asks for (learner ids, hosts, rates); empty: open.
+    admin_token: str = ""
 
 
 ReplicationMode = Literal["none", "async", "sync"]
@@ -242,7 +244,7 @@ def _describe(obj: object, prefix: str, lines: list[str]) -> None:
             _describe(value, key + ".", lines)
         elif key.startswith("auth.tokens") and isinstance(value, Mapping):
             lines.append(f"{key} = <{len(value)} learners>")
-        elif key == "ha.token":
+        elif key in ("ha.token", "auth.admin_token"):
             lines.append(f"{key} = {'<set>' if value else '<none>'}")
         else:
             lines.append(f"{key} = {value!r}")

@@ -70,7 +70,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         ("grpc.so_reuseport", 0),
     ])
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)
-    pb_grpc.add_AdminServicer_to_server(AdminService(engine), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(engine, config.auth.admin_token), server)
     if config.ha.enabled:  # an embedded coordinator has no leader to take versions from
         pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine, config.ha.token),
                                                   server)

@@ -210,11 +210,18 @@ class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
 
 
 class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, token: str) -> None:
         self.engine = engine
+        self.token = token
 
     async def Status(self, request: pb.StatusRequest,
                      context: Context) -> pb.StatusResponse:
+        if self.token and not hmac.compare_digest(bearer_token(context) or "", self.token):
+            rejected = Rejected(Reason.UNAUTHENTICATED,
+                                "Status needs the admin token (auth.admin_token; "
+                                "ftsync-coordinator status --token)")
+            self.engine.record_rejection("Status", "", rejected)
+            await abort(context, rejected)
         return self.engine.status()
 
 

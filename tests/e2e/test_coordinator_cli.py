@@ -3,6 +3,7 @@ problem (no traceback) and exits 1."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.daemon import Daemon
 
 
 @pytest.fixture
@@ -57,19 +60,30 @@ def test_a_busy_port_and_an_unusable_state_directory_are_named(tmp_path: Path,
 
 
 def test_a_second_coordinator_on_the_same_address_does_not_start(tmp_path: Path) -> None:
-    first = subprocess.Popen([sys.executable, "-m", "coordinator", "--listen", "127.0.0.1:0",
-                              "--state-dir", str(tmp_path / "state")],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = Daemon(state_dir=tmp_path / "state").start()
     try:
-        assert first.stdout is not None
-        line = first.stdout.readline()
-        while "listening on" not in line:
-            assert line, "the first coordinator exited"
-            line = first.stdout.readline()
-        address = line.split()[-1]
-        second = start(tmp_path, "--listen", address)
+        second = start(tmp_path, "--listen", first.address)
         assert second.returncode == 1, second.stdout
-        assert f"cannot listen on {address}" in second.stderr
+        assert f"cannot listen on {first.address}" in second.stderr
     finally:
-        first.terminate()
-        first.wait(timeout=30)
+        first.stop()
+
+
+def test_status_asks_for_the_admin_token_when_the_daemon_has_one(tmp_path: Path) -> None:
+    config = tmp_path / "coordinator.toml"
+    config.write_text('[auth]\nadmin_token = "s3cret"\n')
+    daemon = Daemon(state_dir=tmp_path / "state", args=["--config", str(config)]).start()
+    try:
+        status = [sys.executable, "-m", "coordinator", "status", "--address", daemon.address,
+                  "--once"]
+        refused = subprocess.run(status, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "FTSYNC_ADMIN_TOKEN": ""})
+        assert refused.returncode == 1
+        assert "refused by the coordinator" in refused.stdout and "admin token" in refused.stdout
+        shown = subprocess.run([*status, "--token", "s3cret"], capture_output=True, text=True,
+                               timeout=60)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+    finally:
+        daemon.stop()
+    # The banner names the setting, never the token.
+    assert "s3cret" not in (tmp_path / "state.stderr.log").read_text()
