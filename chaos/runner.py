@@ -16,6 +16,7 @@ leader faults find the leader by asking every replica its role.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -35,13 +36,16 @@ from rich.table import Table
 from chaos.etcd import EtcdCluster, free_port
 from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
 from chaos.failover import ReplicaSet, Tail
+from chaos.history import load_log
 from chaos.local import CoordinatorProcess
+from chaos.metrics import goodput
 from chaos.proxy import ThreadedProxy
 from protos import ftsync_pb2 as pb
 from protos.events import EventLog
 
 # How long a kill waits for its moment (during = "grace" or "push").
 _MOMENT_WAIT_S = 10.0
+_GOODPUT_EVERY_S = 5.0
 
 _PROGRESS = re.compile(r" step (\d+) loss (\S+)")
 
@@ -536,12 +540,19 @@ def live_view(console: Console) -> tuple[Live, Callable[[ProcessCluster, float,
                                                           Action | None], None]]:
     """A rich Live display and the tick callback that refreshes it."""
     live = Live(console=console, auto_refresh=False)
-    last = [0.0]
+    last = 0.0
+    # Goodput from the logs so far, recomputed every few seconds (a full read).
+    goodput_at, goodput_line = -math.inf, "goodput so far: -"
 
     def tick(cluster: ProcessCluster, elapsed: float, upcoming: Action | None) -> None:
-        if elapsed - last[0] < 0.5:
+        nonlocal last, goodput_at, goodput_line
+        if elapsed - last < 0.5:
             return
-        last[0] = elapsed
+        last = elapsed
+        if elapsed - goodput_at >= _GOODPUT_EVERY_S:
+            events = load_log(sorted(cluster.out.glob("*.events.jsonl"))).events
+            goodput_at = elapsed
+            goodput_line = f"goodput so far: {goodput(events).value:.2f}"
         table = Table(title=f"{cluster.experiment.name}  t={elapsed:.0f}s", expand=False)
         for column in ("learner", "state", "step", "loss"):
             table.add_column(column)
@@ -553,6 +564,6 @@ def live_view(console: Console) -> tuple[Live, Callable[[ProcessCluster, float,
             + "versions " + " ".join(f"{f.fragment}:{f.version}" for f in status.fragments))
         nxt = (f"next: {upcoming.fault.kind} {'heal' if upcoming.heal else 'inject'} "
                f"{upcoming.target} at {upcoming.at_s:.0f}s" if upcoming else "no more faults")
-        live.update(Group(table, versions, nxt), refresh=True)
+        live.update(Group(table, versions, goodput_line, nxt), refresh=True)
 
     return live, tick

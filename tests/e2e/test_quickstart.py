@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -84,3 +85,17 @@ def test_a_terminated_harness_stops_everything_it_started(tmp_path: Path) -> Non
         pid = int(str(process["pid"]))
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), f"{process['name']} ({pid}) outlived it"
+
+
+def test_the_live_view_shows_learners_versions_goodput_and_the_next_fault(
+        tmp_path: Path) -> None:
+    experiment = tmp_path / "small.toml"
+    experiment.write_text(SMALL.replace("steps = 100000", "steps = 600")
+                          + '\n[[faults]]\nkind = "pause_learner"\ntarget = "learner-1"\n'
+                            'at_s = 100\nduration_s = 1\n')
+    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(experiment), "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=180, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for needle in ("learner-0", "versions 0:", "goodput so far: 0.", "next: pause_learner"):
+        assert needle in result.stdout, result.stdout[-3000:]
