@@ -277,6 +277,8 @@ class FragmentSync:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     async def _close(self, reason: str, flush_timeout: float) -> None:
         if self._sends is not None:
@@ -313,6 +315,10 @@ class FragmentSync:
     def step(self, tokens: int) -> list[int]:
         """Call after every inner step; never blocks on the network. Returns the
         fragments whose merged values were written into the model this step."""
+        if self._sends is None or self._stopping:
+            # Steps counted without a run would shift every fragment's schedule.
+            raise RuntimeError("step() needs a started learner that is not closed: call "
+                               "start() first (or use it as a context manager)")
         self.local_step += 1
         for state in self.fragments:
             state.tokens += tokens

@@ -240,3 +240,12 @@ def test_learner_keeps_stepping_while_the_coordinator_is_down_then_catches_up(
         status = daemon.status()
         assert [learner_status.learner_id for learner_status in status.learners] == ["steady"]
         assert status.learners[0].contributions > 0
+    with pytest.raises(RuntimeError, match="not closed"):
+        learner.step(tokens=32)  # closed: its steps would reach no run
+
+
+def test_a_step_before_start_is_refused() -> None:
+    learner = Learner("127.0.0.1:9", small_model(), sync_every=4, fragments=2, device="cpu")
+    with pytest.raises(RuntimeError, match="call start"):
+        learner.step(tokens=32)
+    assert learner.local_step == 0
