@@ -184,11 +184,13 @@ class SynchronizerClient:
         self._next_seq = 1
         self._joins = 0
         self._rejoin = asyncio.Lock()
+        self._left = False
 
     # -- membership -------------------------------------------------------------
 
     async def join(self) -> pb.JoinResponse:
         """Join (or re-join after a coordinator restart), retrying while it is down."""
+        self._left = False
         request = pb.JoinRequest(
             learner_id=self.learner_id, overlap_steps=self.overlap_steps,
             host=socket.gethostname(), pid=os.getpid(), device=self.device,
@@ -225,6 +227,9 @@ class SynchronizerClient:
         self._observe(response.fragments)
 
     async def leave(self, reason: str) -> None:
+        # From here on a refusal as unknown must not join again (a pull or heartbeat
+        # still under way would otherwise bring the learner back after it left).
+        self._left = True
         # Leaving a coordinator that is gone is nothing to report.
         with contextlib.suppress(grpc.RpcError):
             await self._stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, reason=reason),
@@ -468,7 +473,7 @@ class SynchronizerClient:
         try:
             return await self._retrying(call)
         except Refused as refused:
-            if refused.reason != "unknown_learner":
+            if refused.reason != "unknown_learner" or self._left:
                 raise
         async with self._rejoin:
             if joins == self._joins:

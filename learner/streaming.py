@@ -284,13 +284,13 @@ class FragmentSync:
         if self._sends is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
+        for task in self._tasks:  # no heartbeat after the Leave
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._peer_server is not None:
             await self._peer_server.stop()
         await self.client.leave(reason)
         await self.client.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
         """The fragments no peer served, from the coordinator: each at its current

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coordinator.durability import StateDir
-from learner.client import Retry, SynchronizerClient
+from learner.client import Refused, Retry, SynchronizerClient
 from tests.daemon import Daemon
 
 NUMELS = [3000, 1000]
@@ -145,6 +145,24 @@ def test_a_learner_joining_again_holds_no_round_open_until_it_is_heard_from(
         assert {s.learner_id: s.live for s in daemon.status().learners}["b"]
         for c in (a, b, restarted):
             await c.close()
+
+    asyncio.run(run())
+
+
+def test_a_learner_that_left_is_not_brought_back_by_a_late_call(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """A heartbeat or pull still under way when a learner leaves is refused as unknown;
+    the client must not take that for a coordinator restart and join again."""
+    daemon = start_daemon()
+
+    async def run() -> None:
+        (a,) = await joined(daemon, "a")
+        await a.leave("done")
+        with pytest.raises(Refused) as refused:
+            await a.heartbeat(local_step=1)
+        assert refused.value.reason == "unknown_learner"
+        assert [(s.learner_id, s.live) for s in daemon.status().learners] == [("a", False)]
+        await a.close()
 
     asyncio.run(run())
 
