@@ -64,7 +64,9 @@ class CoordinatorSpec:
         an outer step without momentum: with quorum 1 each round merges a few stale
         deltas, and DiLoCo's Nesterov momentum (the coordinator's default) diverges."""
         defaults = ASYNC_OUTER if self.mode == "async" else {}
-        return {key: str(value) for key, value in {**defaults, **self.settings}.items()}
+        # Written back as TOML values (true, not Python's True), as --set parses them.
+        return {key: str(value).lower() if isinstance(value, bool) else str(value)
+                for key, value in {**defaults, **self.settings}.items()}
 
     @property
     def run(self) -> str:

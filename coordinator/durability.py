@@ -126,7 +126,14 @@ class StateDir:
     def restore_manifests(self, records: Iterable[FragmentRecord]) -> None:
         """Append the manifest of every record the log lacks: a fragment file is
         renamed into place before its manifest line is appended, so a crash between
-        the two leaves the line missing, and the file still holds it."""
+        the two leaves the line missing, and the file still holds it. A last line
+        torn by the crash (or a full disk) is cut off first; its record restores it."""
+        path = self.root / "manifests.jsonl"
+        if path.exists():
+            text = path.read_text()
+            complete = text[:text.rfind("\n") + 1]
+            if complete != text:
+                self._atomic_write(path, [complete.encode()])
         logged = {(m["fragment"], m["version"]) for m in self.manifests()}
         for record in records:
             if (record.fragment, record.version) not in logged:

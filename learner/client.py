@@ -475,7 +475,10 @@ class SynchronizerClient:
         except Refused as refused:
             if refused.reason != "unknown_learner" or self._left:
                 raise
+            unknown = refused
         async with self._rejoin:
+            if self._left:  # it left while this call waited for the lock
+                raise unknown
             if joins == self._joins:
                 await self.join()
                 await self.repush_unacknowledged()

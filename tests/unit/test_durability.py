@@ -281,3 +281,18 @@ def test_damaged_header_value_raises_state_error(plain: StateDir, old: bytes,
     path.write_bytes(blob[:start] + header.replace(old, new) + blob[end:])
     with pytest.raises(StateError):
         plain.load_fragment(0)
+
+
+def test_a_torn_last_manifest_line_is_cut_and_restored(state: StateDir) -> None:
+    first = record(fragment=0, version=1, numel=4, manifest=[{"learner": "a", "seq": 1}])
+    second = record(fragment=0, version=2, numel=4, manifest=[{"learner": "a", "seq": 2}])
+    for saved in (first, second):
+        state.save_fragment(saved)
+    log = state.root / "manifests.jsonl"
+    log.write_bytes(log.read_bytes()[:-10])  # the append was cut short
+    reopened = StateDir(state.root, fsync=state.fsync)
+    loaded = reopened.load_fragment(0)
+    assert loaded is not None
+    reopened.restore_manifests([loaded])
+    assert [(m["version"], m["manifest"]) for m in reopened.manifests()] == [
+        (1, first.manifest), (2, second.manifest)]

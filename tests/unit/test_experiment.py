@@ -193,3 +193,9 @@ def test_every_adversary_runs_as_a_learner_of_its_own(tmp_path: Path) -> None:
                     '\n[[faults]]\nkind = "adversary"\nevery_s = 30\ncount = 2\n')
     injections = [a.target for a in schedule(load_experiment(path)) if not a.heal]
     assert sorted(injections) == ["adversary-0", "adversary-1", "adversary-2"]
+
+
+def test_coordinator_settings_keep_toml_booleans(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(BASE + '\n[coordinator.settings]\n"outer.nesterov" = false\n')
+    assert load_experiment(path).coordinator.overrides()["outer.nesterov"] == "false"
