@@ -35,6 +35,9 @@ import numpy as np
 from learner.client import Pulled, SynchronizerClient
 from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetch_from_peers
 
+# Longest the training thread waits on the loop without looking at pending signals.
+_SIGNAL_CHECK_S = 0.2
+
 ReadFragment = Callable[[int], np.ndarray]
 WriteFragment = Callable[[int, np.ndarray], None]
 
@@ -474,4 +477,16 @@ class FragmentSync:
             await asyncio.sleep(self.client.heartbeat_interval_s)
 
     def _run(self, coroutine: Coroutine[Any, Any, None], timeout: float) -> None:
-        asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        """Run `coroutine` on the loop and wait for it, in short slices: a signal the
+        kernel delivers to one of gRPC's threads only runs its Python handler (Ctrl-C)
+        once the main thread wakes, and one long wait would hold it back for minutes."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                future.result(min(_SIGNAL_CHECK_S, max(deadline - time.monotonic(), 0.0)))
+                return
+            except TimeoutError:
+                # The coroutine's own TimeoutError, or the whole wait ran out.
+                if future.done() or time.monotonic() >= deadline:
+                    raise
