@@ -170,9 +170,9 @@ def _on_signals(run: _Run) -> None:
 
 def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
     """Join; 0 on success, else the exit code after saying what to do."""
-    # Joining waits up to --connect-timeout for a coordinator: say what it waits for.
-    print(f"{args.learner_id}: joining {args.coordinator}", flush=True)
     try:
+        # Joining waits up to --connect-timeout for a coordinator: say what it waits for.
+        print(f"{args.learner_id}: joining {args.coordinator}", flush=True)
         start()
     except KeyboardInterrupt:
         print(f"ftsync-learner: interrupted while joining {args.coordinator}", file=sys.stderr)
