@@ -119,9 +119,7 @@ class StateDir:
     def manifests(self) -> list[dict[str, Any]]:
         """Every committed manifest, oldest first."""
         path = self.root / "manifests.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return _manifest_lines(path.read_text()) if path.exists() else []
 
     def restore_manifests(self, records: Iterable[FragmentRecord]) -> None:
         """Append the manifest of every record the log lacks: a fragment file is
@@ -129,12 +127,13 @@ class StateDir:
         the two leaves the line missing, and the file still holds it. A last line
         torn by the crash (or a full disk) is cut off first; its record restores it."""
         path = self.root / "manifests.jsonl"
+        complete = ""
         if path.exists():
             text = path.read_text()
             complete = text[:text.rfind("\n") + 1]
             if complete != text:
                 self._atomic_write(path, [complete.encode()])
-        logged = {(m["fragment"], m["version"]) for m in self.manifests()}
+        logged = {(m["fragment"], m["version"]) for m in _manifest_lines(complete)}
         for record in records:
             if (record.fragment, record.version) not in logged:
                 self._append_manifest(record)
@@ -190,3 +189,7 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
         params=values[:numel].copy(), momentum=values[numel:].copy(),
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
         manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)))
+
+
+def _manifest_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

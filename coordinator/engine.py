@@ -311,8 +311,9 @@ class Engine:
         limit = self.config.limits.max_params
         where = "limits.max_params"
         if not limit:
-            limit = physical_memory() // _BYTES_PER_PARAM
-            where = f"{physical_memory() / 1e9:.1f} GB of memory at {_BYTES_PER_PARAM} bytes each"
+            memory = physical_memory()
+            limit = memory // _BYTES_PER_PARAM
+            where = f"{memory / 1e9:.1f} GB of memory at {_BYTES_PER_PARAM} bytes each"
         if params > limit:
             raise Rejected(Reason.OVERSIZE,
                            f"the layout has {params:,} parameters; this coordinator takes at "
