@@ -170,13 +170,23 @@ def _on_signals(run: _Run) -> None:
 
 def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
     """Join; 0 on success, else the exit code after saying what to do."""
+    interrupted_by = signal.SIGINT
+
+    def interrupt(signum: int, _frame: object) -> None:
+        nonlocal interrupted_by
+        interrupted_by = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    # SIGTERM too interrupts the join, so that a learner that had joined leaves the run.
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         # Joining waits up to --connect-timeout for a coordinator: say what it waits for.
         print(f"{args.learner_id}: joining {args.coordinator}", flush=True)
         start()
     except KeyboardInterrupt:
-        print(f"ftsync-learner: interrupted while joining {args.coordinator}", file=sys.stderr)
-        return 130
+        print(f"ftsync-learner: interrupted ({interrupted_by.name}) while joining "
+              f"{args.coordinator}", file=sys.stderr)
+        return 128 + interrupted_by
     except Refused as refused:
         hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id",
                 "layout_mismatch": "every learner of a run must use the same task, size "
@@ -193,6 +203,8 @@ def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
     except OSError as exc:  # --serve-peers on an address in use or not local
         print(f"ftsync-learner: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

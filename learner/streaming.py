@@ -37,6 +37,8 @@ from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetc
 
 # Longest the training thread waits on the loop without looking at pending signals.
 _SIGNAL_CHECK_S = 0.2
+# How long an interrupted start or close may take to leave the run (its Leave waits 5 s).
+_CLEANUP_S = 6.0
 
 ReadFragment = Callable[[int], np.ndarray]
 WriteFragment = Callable[[int, np.ndarray], None]
@@ -480,7 +482,9 @@ class FragmentSync:
         """Run `coroutine` on the loop and wait for it, in short slices: a signal the
         kernel delivers to one of gRPC's threads only runs its Python handler (Ctrl-C)
         once the main thread wakes, and one long wait would hold it back for minutes."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        finished = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(_setting_when_done(finished, coroutine),
+                                                  self._loop)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -490,3 +494,17 @@ class FragmentSync:
                 # The coroutine's own TimeoutError, or the whole wait ran out.
                 if future.done() or time.monotonic() >= deadline:
                     raise
+            except KeyboardInterrupt:
+                # Cancelled, the coroutine cleans up on the loop (a start that had
+                # joined leaves the run); give that a moment before the loop stops.
+                future.cancel()
+                finished.wait(_CLEANUP_S)
+                raise
+
+
+async def _setting_when_done(finished: threading.Event,
+                             coroutine: Coroutine[Any, Any, None]) -> None:
+    try:
+        await coroutine
+    finally:
+        finished.set()

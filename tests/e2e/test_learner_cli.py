@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -93,4 +94,38 @@ def test_ctrl_c_while_joining_ends_at_once() -> None:
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=20)
     assert process.returncode == 130, err
-    assert "interrupted while joining 127.0.0.1:9" in err
+    assert "interrupted (SIGINT) while joining 127.0.0.1:9" in err
+
+
+def test_sigterm_after_the_join_while_catching_up_leaves_the_run(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """A learner stopped between its join and the end of its catch-up says Leave:
+    the coordinator would otherwise count it live until its heartbeats time out."""
+    events = tmp_path / "coordinator.jsonl"
+    daemon = start_daemon("--event-log", str(events))
+    first = subprocess.run(
+        [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--task",
+         "synthetic", "--steps", "1", "--learner-id", "first"],
+        capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr  # the run's fragments now have versions
+    with socket.socket() as silent_peer:  # accepts connections (backlog), never answers
+        silent_peer.bind(("127.0.0.1", 0))
+        silent_peer.listen(8)
+        peer = f"127.0.0.1:{silent_peer.getsockname()[1]}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--task",
+             "synthetic", "--learner-id", "late", "--peers", peer],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def coordinator_events(kind: str) -> list[dict[str, object]]:
+            lines = [json.loads(e) for e in events.read_text().splitlines()]
+            return [e for e in lines if e["kind"] == kind and e.get("learner") == "late"]
+
+        wait_until(lambda: coordinator_events("join"), timeout=60, message="the join")
+        process.send_signal(signal.SIGTERM)  # its catch-up waits on the silent peer
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted (SIGTERM) while joining" in err and "Traceback" not in err
+    wait_until(lambda: coordinator_events("leave"), timeout=10, message="the Leave")
+    assert not any(learner.live for learner in daemon.status().learners
+                   if learner.learner_id == "late")
