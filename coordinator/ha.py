@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable
 
 from coordinator.config import CoordinatorConfig
-from coordinator.durability import RunRecord
+from coordinator.durability import RunRecord, StateError
 from coordinator.election import Callbacks, Election
 from coordinator.engine import Engine
 from coordinator.errors import NotLeader
@@ -56,6 +57,8 @@ class Replica:
         engine.on_run_created = self.run_created
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # Said once: this replica will not lead (see `_holds_the_run`).
+        self._standing_by = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.election.run_forever(Callbacks(
@@ -101,7 +104,10 @@ class Replica:
 
     async def _may_campaign(self) -> bool:
         """Under sync replication only a replica holding every published version
-        may lead: the in-sync set the last leader recorded names it (or none exists)."""
+        may lead: the in-sync set the last leader recorded names it (or none exists).
+        Without replication, only one holding the run at all."""
+        if self.config.ha.replication == "none":
+            return await self._holds_the_run()
         if self.config.ha.replication != "sync":
             return True
         entry, _ = await self.etcd.read(discovery.insync_key(self.config.ha.run))
@@ -112,6 +118,28 @@ class Replica:
         except (ValueError, KeyError, TypeError):
             return True
         return self.replica_id in replicas
+
+    async def _holds_the_run(self) -> bool:
+        """A replica only has what it wrote while leading when nothing is replicated:
+        one holding nothing of a run under way would lead it with no model at all
+        (every push refused as not initialised), so it waits for one that does, such
+        as the last leader restarted on its state directory."""
+        run = await self._run_config()
+        try:
+            held = self.engine.state.load_run()
+        except StateError:
+            held = None
+        holds = run is None or (held is not None and held.run_id == run.run_id)
+        if not holds and not self._standing_by:
+            assert run is not None
+            message = (f"replica {self.replica_id} holds none of run {run.run_id} and "
+                       f"nothing is replicated (ha.replication = none): it will not lead; "
+                       f"restart the last leader on its state directory")
+            print(f"ftsync-coordinator: {message}", file=sys.stderr, flush=True)
+            self.engine.events.emit("standing_by", replica=self.replica_id, run_id=run.run_id,
+                                    reason=message)
+        self._standing_by = not holds
+        return holds
 
     def _demoted(self, reason: str) -> None:
         """The engine stepped down by itself: give up the lease (the election then

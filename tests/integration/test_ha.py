@@ -140,6 +140,42 @@ def test_leader_kill_hands_over_within_lease_ttl_and_loses_nothing(
 
 
 @pytest.mark.timeout(120)
+def test_without_replication_a_standby_holding_nothing_waits_for_the_leader_to_restart(
+        etcd: EtcdCluster, tmp_path: Path) -> None:
+    """With `ha.replication = none` a standby has none of the run: leading it, it would
+    refuse every push as not initialised for good. It stands by; the killed leader,
+    restarted on its state directory, leads again from where it was."""
+    cluster = ReplicaSet(tmp_path / "replicas", etcd.endpoints, count=2,
+                         args=[*REPLICA_ARGS, "--set", "ha.replication=none"])
+    cluster.root.mkdir()
+
+    async def scenario() -> None:
+        old, epoch = cluster.leader()
+        standby = 1 - old
+        learners = Learners(tmp_path, [cluster.addresses, cluster.addresses])
+        learners.start()
+        await wait_for(lambda: len(cluster.commits(old)) >= 10, 30, "commits by the leader")
+        cluster.replicas[old].kill()
+        await wait_for(lambda: any(e["kind"] == "standing_by" for e in cluster.events(standby)),
+                       TTL_S + 10, "the standby declining to lead")
+        await asyncio.sleep(1.0)  # past the lease: still no leader
+        assert cluster.roles()[standby][0] == "standby"
+        await asyncio.to_thread(cluster.replicas[old].start)
+        new, _ = await asyncio.to_thread(cluster.leader, 30.0, epoch)
+        assert new == old
+        await wait_for(lambda: len(cluster.commits(old, epoch)) >= 5, 30,
+                       "commits after the restart")
+        await learners.finish()
+        check_audit(cluster, learners)
+
+    try:
+        cluster.start()
+        asyncio.run(scenario())
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(120)
 def test_a_partitioned_leader_steps_down_and_its_late_writes_are_refused(
         replicas: ReplicaSet, tmp_path: Path) -> None:
     async def scenario() -> None:
