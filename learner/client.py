@@ -31,7 +31,7 @@ import random
 import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -130,6 +130,8 @@ class Pulled:
     version: int
     values: np.ndarray
     merged_seq: int
+    # The coordinator's newest version, older than the one asked past: it lost versions.
+    rewound: bool = False
 
 
 @dataclass
@@ -389,6 +391,25 @@ class SynchronizerClient:
                                              timeout=wait_s + 300)
             return await self._read_fragments(aiter(stream), only=fragment)
         return await self._call(pull_once)
+
+    async def pull_newer(self, fragment: int, have_version: int,
+                         wait_s: float) -> Pulled | None:
+        """`pull`, or the coordinator's newest version (`rewound`) when it has none as
+        new as `have_version`: it lost the versions past its newest (a failover under
+        async or no replication, a restored state directory), so its newest is the
+        run's now. Waiting past `have_version` would wait for good, and every push
+        based on it would be refused."""
+        try:
+            return await self.pull(fragment, have_version, wait_s)
+        except Refused as refused:
+            if refused.reason != "future_version":
+                raise
+        newest = await self.pull(fragment, -1, 0.0)
+        if newest is None:
+            return None
+        self.events.emit("rewound", learner=self.learner_id, fragment=fragment,
+                         had_version=have_version, version=newest.version)
+        return replace(newest, rewound=True)
 
     async def snapshot(self) -> dict[int, Pulled]:
         """Every published fragment, at one consistent vector of versions."""

@@ -486,13 +486,13 @@ class _Rounds:
     async def _pull_all(self, targets: list[int | None]) -> list[int]:
         """Wait (up to pull_wait_s) for each fragment's version holding this fit, and apply it."""
         pulled = await asyncio.gather(*(
-            self.client.pull(p, state.base_version if target is None
-                             else max(state.base_version, target - 1),
-                             self.settings.pull_wait_s)
+            self.client.pull_newer(p, state.base_version if target is None
+                                   else max(state.base_version, target - 1),
+                                   self.settings.pull_wait_s)
             for (p, state), target in zip(enumerate(self.states), targets, strict=True)))
         applied = []
         for p, (state, new) in enumerate(zip(self.states, pulled, strict=True)):
-            if new is None or new.version <= state.base_version:
+            if new is None or (new.version <= state.base_version and not new.rewound):
                 # No one merged in time: train on from our own parameters.
                 self.pull_timeouts += 1
                 self.events.emit("pull_timeout", learner=self.settings.learner_id,

@@ -379,7 +379,7 @@ class FragmentSync:
 
     async def _pull(self, p: int, have_version: int) -> Pulled | None:
         with self._awaiting(p, have_version):
-            pulled = await self.client.pull(p, have_version, self.settings.pull_wait_s)
+            pulled = await self.client.pull_newer(p, have_version, self.settings.pull_wait_s)
             if pulled is not None and self.held is not None:
                 # Servable to peers from now on, before this learner applies it.
                 self.held.pulled(p, pulled.version, pulled.values)
@@ -433,7 +433,7 @@ class FragmentSync:
             self.client.events.emit("pull_failed", learner=self.client.learner_id,
                                     fragment=p, error=str(exc)[:200])
             return False
-        if pulled is None or pulled.version <= state.base_version:
+        if pulled is None or (pulled.version <= state.base_version and not pulled.rewound):
             return False
         alpha = self.settings.alpha
         values = pulled.values if alpha == 0 else alpha * self.read(p) + (1 - alpha) * pulled.values

@@ -4,6 +4,8 @@ through a coordinator outage."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -242,6 +244,51 @@ def test_learner_keeps_stepping_while_the_coordinator_is_down_then_catches_up(
         assert status.learners[0].contributions > 0
     with pytest.raises(RuntimeError, match="not closed"):
         learner.step(tokens=32)  # closed: its steps would reach no run
+
+
+def test_a_learner_ahead_of_a_coordinator_that_lost_versions_takes_its_newest(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """A coordinator back with older versions than the learner applied (a failover
+    under async or no replication, a restored state directory) would refuse every
+    push based on them and never answer a pull past them: the learner takes the
+    coordinator's newest version and its pushes are merged again."""
+    state, backup, log = tmp_path / "state", tmp_path / "backup", tmp_path / "events.jsonl"
+    daemon = start_daemon("--set", "policy.grace_max_s=0", state_dir=state)
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def versions() -> dict[int, int]:
+        return {f.fragment: f.version for f in daemon.status().fragments}
+
+    with Learner(daemon.address, model, sync_every=4, fragments=2, overlap=1, device="cpu",
+                 learner_id="ahead", connect_timeout_s=30, event_log=str(log)) as learner:
+        def train_until(done: Callable[[], bool]) -> None:
+            for _ in range(600):
+                train_step(model, opt)
+                learner.step(tokens=32)
+                time.sleep(0.01)
+                if done():
+                    return
+            raise AssertionError(f"applied {learner.applied_versions}, coordinator at "
+                                 f"{versions()}")
+
+        train_until(lambda: min(learner.applied_versions.values()) >= 2)
+        daemon.stop()
+        shutil.copytree(state, backup)
+        daemon.start()
+        restored = versions()
+        train_until(lambda: all(v >= restored[p] + 3
+                                for p, v in learner.applied_versions.items()))
+        daemon.kill()
+        shutil.rmtree(state)
+        shutil.copytree(backup, state)
+        daemon.start()
+        assert versions() == restored
+        train_until(lambda: all(restored[p] < v <= versions()[p]
+                                for p, v in learner.applied_versions.items()))
+    rewound = [json.loads(line) for line in log.read_text().splitlines()
+               if '"rewound"' in line]
+    assert rewound and all(e["version"] < e["had_version"] for e in rewound), rewound
 
 
 def test_a_step_before_start_is_refused() -> None:
