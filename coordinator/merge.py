@@ -63,7 +63,10 @@ class Accumulator:
             raise ValueError("cannot merge a round with no weight")
         delta = self.sum
         if self.rule == "rda":
-            direction_norm = float(np.sqrt(np.dot(delta, delta)))
+            # Σ w·v/‖v‖ has elements up to Σ w (2^64 each): Σ² may pass fp32's range,
+            # so block by block (each widened only if it must be), summed in fp64.
+            direction_norm = math.sqrt(sum(norm_sq(delta[start:start + _BLOCK])
+                                           for start in range(0, delta.size, _BLOCK)))
             radius = self.radial / total_weight
             scale = radius / direction_norm if direction_norm > 0 else 0.0
         else:

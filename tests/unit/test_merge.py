@@ -93,6 +93,21 @@ def test_rda_zero_norm_contribution_adds_no_direction() -> None:
     np.testing.assert_allclose(result, [0.0, 1.0], rtol=1e-6)
 
 
+def test_rda_with_token_weights_near_the_limit_keeps_its_direction() -> None:
+    """Weights reach 2^64 (c_tokens²/c_steps): the direction's Σ² then passes fp32's
+    range while every element is finite; the merge must not come out as zero."""
+    vectors = [np.array([3.0, -4.0, 0.0], np.float32), np.array([0.0, -1.0, 1.0], np.float32),
+               np.array([2.0, -2.0, 1.0], np.float32), np.array([1.0, -3.0, 0.5], np.float32)]
+    results = []
+    for weight in (1.0, 2.0**64):
+        acc = Accumulator("rda")
+        for v in vectors:
+            acc.fold(v.copy(), weight, l2(v))
+        results.append(acc.result(len(vectors) * weight))
+    assert np.isfinite(results[1]).all()
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5)
+
+
 @pytest.mark.parametrize("rule", ["mean", "rda"])
 def test_fold_ownership_contract(rule: str) -> None:
     acc = Accumulator(rule)  # type: ignore[arg-type]
