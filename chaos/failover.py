@@ -55,13 +55,15 @@ class ReplicaSet:
     # empty: every replica uses `etcd`.
     replica_etcd: list[list[str]] = field(default_factory=list)
     replicas: list[CoordinatorProcess] = field(default_factory=list)
+    admin_token: str = ""
     _tails: dict[Path, Tail] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.replicas = [
             CoordinatorProcess(state_dir=self.root / f"replica{i}", args=[
                 "--etcd", ",".join(self.replica_etcd[i] if self.replica_etcd else self.etcd),
-                "--replica-id", f"r{i}", "--event-log", str(self.event_log(i)), *self.args])
+                "--replica-id", f"r{i}", "--event-log", str(self.event_log(i)), *self.args],
+                admin_token=self.admin_token)
             for i in range(self.count)]
 
     def start(self) -> ReplicaSet:

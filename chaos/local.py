@@ -32,6 +32,8 @@ class CoordinatorProcess:
     process: subprocess.Popen[str] | None = None
     address: str = ""
     port: int = 0
+    # The daemon's auth.admin_token, which its Admin.Status then asks for.
+    admin_token: str = ""
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         listen = f"127.0.0.1:{self.port}"
@@ -47,8 +49,11 @@ class CoordinatorProcess:
         while time.monotonic() < deadline:
             line = self.process.stdout.readline()
             if not line:
-                raise RuntimeError(f"coordinator exited with {self.process.wait()}; "
-                                   f"see {log_path}")
+                # The daemon's start-up errors are one line: its last.
+                said = next((text for text in reversed(log_path.read_text().splitlines())
+                             if text.strip()), "")
+                raise RuntimeError(f"coordinator exited with {self.process.wait()}: {said} "
+                                   f"(log: {log_path})")
             match = re.search(r"listening on (\S+):(\d+)", line)
             if match:
                 self.port = int(match.group(2))
@@ -87,6 +92,8 @@ class CoordinatorProcess:
 
     def status(self, timeout: float = 10.0) -> pb.StatusResponse:
         with grpc.insecure_channel(self.address) as channel:
+            metadata = ([("authorization", f"Bearer {self.admin_token}")]
+                        if self.admin_token else None)
             response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
-                pb.StatusRequest(), timeout=timeout)
+                pb.StatusRequest(), timeout=timeout, metadata=metadata)
             return response

@@ -74,6 +74,10 @@ class LearnerSlot:
         return self.process is not None and self.process.poll() is None
 
 
+class StartError(Exception):
+    """A process of the experiment's topology did not start."""
+
+
 class ProcessCluster:
     """The topology of one experiment, as local processes."""
 
@@ -91,9 +95,10 @@ class ProcessCluster:
             args += ["--set", f"{key}={value}"]
         # Shared by a single coordinator and by replicas (each with its own event log).
         self.coordinator_args = args
+        self.admin_token = spec.overrides().get("auth.admin_token", "")
         self.coordinator_log = out / "coordinator.events.jsonl"
         self.coordinator = CoordinatorProcess(state_dir=out / "state", args=[
-            "--event-log", str(self.coordinator_log), *args])
+            "--event-log", str(self.coordinator_log), *args], admin_token=self.admin_token)
         self.coordinator_up = False
         self.etcd = (EtcdCluster(out / "etcd", experiment.etcd.members)
                      if experiment.etcd.members else None)
@@ -111,6 +116,13 @@ class ProcessCluster:
     # -- processes -------------------------------------------------------------
 
     def start(self) -> None:
+        """Start every process of the topology; `StartError` names what did not start."""
+        try:
+            self._start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise StartError(str(exc)) from exc
+
+    def _start(self) -> None:
         if self.etcd is not None:
             self.etcd.start()
             for member in self.etcd.members:
@@ -138,12 +150,16 @@ class ProcessCluster:
                 self.etcd_proxies.append(proxies)
         self.replicas = ReplicaSet(
             self.out, self.etcd.endpoints, count=spec.replicas, args=self.coordinator_args,
-            replica_etcd=[[f"127.0.0.1:{p.port}" for p in proxies]
+            admin_token=self.admin_token, replica_etcd=[[f"127.0.0.1:{p.port}" for p in proxies]
                           for proxies in self.etcd_proxies])
         for i, replica in enumerate(self.replicas.replicas):
             replica.start()
             self._started("replica", f"r{i}", replica.process)
-        index, epoch = self.replicas.leader(timeout=60)
+        try:
+            index, epoch = self.replicas.leader(timeout=60)
+        except TimeoutError:
+            raise StartError(f"no coordinator replica became leader within 60 s; see "
+                             f"{self.out}/replica*.stderr.log") from None
         self.events.emit("leader", replica=f"r{index}", epoch=epoch)
 
     def learner_address(self, slot: LearnerSlot) -> str:

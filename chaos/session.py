@@ -18,7 +18,7 @@ from chaos.experiment import load_experiment
 from chaos.failover import audit_check
 from chaos.history import load_log, write_events
 from chaos.report import write_report
-from chaos.runner import live_view, run_cluster
+from chaos.runner import StartError, live_view, run_cluster
 from coordinator.config import ConfigError
 
 
@@ -63,6 +63,10 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every process was stopped[/yellow]")
         return 130
+    except StartError as exc:
+        print(f"ftsync-chaos: the cluster did not start, and what did was stopped: {exc}",
+              file=sys.stderr)
+        return 1
     log = load_log(sorted(out.glob("*.events.jsonl")))
     events = log.events
     write_events(events, out / "events.jsonl")

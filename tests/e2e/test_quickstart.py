@@ -38,6 +38,23 @@ def test_a_bad_experiment_file_stops_before_anything_starts(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
 
 
+def test_a_coordinator_that_cannot_start_is_named_in_one_line(tmp_path: Path) -> None:
+    """Settings the experiment file can check pass; one the daemon finds wrong at
+    start-up (a tokens file that is not there) ends the run with the daemon's reason."""
+    bad = tmp_path / "tokens.toml"
+    bad.write_text('name = "tokens"\nmax_duration_s = 20\n[coordinator.settings]\n'
+                   '"auth.tokens_file" = "/nonexistent/tokens.toml"\n'
+                   '[learners]\ncount = 1\ntask = "synthetic"\nsteps = 10\n')
+    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(bad), "--out",
+                             str(tmp_path / "out"), "--quiet"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the cluster did not start" in lines[0], lines
+    assert "auth.tokens_file /nonexistent/tokens.toml" in lines[0], lines
+
+
 def test_an_out_directory_that_is_not_an_earlier_run_is_left_alone(tmp_path: Path) -> None:
     mine = tmp_path / "notes.txt"
     mine.write_text("not a run")

@@ -210,3 +210,14 @@ def test_overlapping_windows_never_start_a_second_coordinator(tmp_path: Path) ->
     skipped = [(e["action"], e["reason"]) for e in events if e["kind"] == "fault_skipped"]
     assert skipped == [("inject", "the coordinator is down"),
                        ("heal", "its injection was skipped")], skipped
+
+
+def test_replicas_with_an_admin_token_are_still_watched(tmp_path: Path) -> None:
+    """The harness finds the leader, times the grace window and follows versions
+    through Admin.Status, which with `auth.admin_token` set asks for that token."""
+    text = experiment_text("kill_leader").replace(
+        '"outer.momentum" = 0.0', '"outer.momentum" = 0.0\n"auth.admin_token" = "ops-only"')
+    events, summary = run(tmp_path, "kill_leader", text)
+    faults = [e for e in events if e["kind"] == "fault" and e["fault"] == "kill_leader"]
+    assert [f["action"] for f in faults] == ["inject", "heal"]
+    assert all(check["passed"] for check in summary["checks"]), summary["checks"]
