@@ -11,13 +11,15 @@ two epochs, no acknowledged contribution lost, none merged twice.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from chaos.etcd import EtcdCluster
 from chaos.failover import (
@@ -29,6 +31,7 @@ from chaos.failover import (
 )
 from coordinator.durability import FragmentRecord, RunRecord
 from coordinator.replication import replica_messages
+from learner.api import Learner
 from learner.client import Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -173,6 +176,64 @@ def test_without_replication_a_standby_holding_nothing_waits_for_the_leader_to_r
         asyncio.run(scenario())
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_under_async_replication_a_learner_ahead_of_the_new_leader_syncs_on(
+        etcd: EtcdCluster, tmp_path: Path) -> None:
+    """The standby lags (paused while the leader commits on), then the leader dies: the
+    new leader lacks versions a learner already applied. The learner takes the new
+    leader's newest version and its pushes are merged again."""
+    cluster = ReplicaSet(tmp_path / "replicas", etcd.endpoints, count=2,
+                         args=[*REPLICA_ARGS, "--set", "ha.replication=async"])
+    cluster.root.mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "learner.events.jsonl"
+
+    def train_until(learner: Learner, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            x = torch.randn(32, 8)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            learner.step(tokens=32)
+            time.sleep(0.01)
+
+    try:
+        cluster.start()
+        old, _ = cluster.leader()
+        standby = cluster.replicas[1 - old]
+        with Learner(cluster.addresses, model, sync_every=4, fragments=2, overlap=1,
+                     device="cpu", learner_id="ahead", connect_timeout_s=30,
+                     event_log=str(log)) as learner:
+            train_until(learner, lambda: min(learner.applied_versions.values()) >= 2,
+                        "the first versions")
+            cluster.wait_in_sync()
+            standby.pause()
+            lagged = dict(learner.applied_versions)
+            train_until(learner, lambda: all(v >= lagged[p] + 3
+                                             for p, v in learner.applied_versions.items()),
+                        "versions the paused standby lacks")
+            ahead = dict(learner.applied_versions)
+            cluster.replicas[old].kill()
+            standby.resume()
+            new, _ = cluster.leader(timeout=30)
+            assert new == 1 - old
+            taken_over = {f.fragment: f.version for f in standby.status().fragments}
+            assert any(taken_over[p] < v for p, v in ahead.items()), (taken_over, ahead)
+            train_until(learner, lambda: all(
+                v > taken_over[p] and v <= standby.status().fragments[p].version
+                for p, v in learner.applied_versions.items()), "versions of the new leader")
+    finally:
+        cluster.stop()
+    rewound = [json.loads(line) for line in log.read_text().splitlines()
+               if '"rewound"' in line]
+    assert rewound, "the learner never took the new leader's older version"
 
 
 @pytest.mark.timeout(120)
