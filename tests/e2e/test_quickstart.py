@@ -48,7 +48,7 @@ def test_a_coordinator_that_cannot_start_is_named_in_one_line(tmp_path: Path) ->
     result = subprocess.run([sys.executable, "-m", "chaos", "run", str(bad), "--out",
                              str(tmp_path / "out"), "--quiet"],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "the cluster did not start" in lines[0], lines
