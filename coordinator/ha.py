@@ -125,16 +125,18 @@ class Replica:
         (every push refused as not initialised), so it waits for one that does, such
         as the last leader restarted on its state directory."""
         run = await self._run_config()
+        unreadable = ""
         try:
             held = self.engine.state.load_run()
-        except StateError:
-            held = None
+        except StateError as exc:
+            held, unreadable = None, f" ({exc})"
         holds = run is None or (held is not None and held.run_id == run.run_id)
         if not holds and not self._standing_by:
             assert run is not None
-            message = (f"replica {self.replica_id} holds none of run {run.run_id} and "
-                       f"nothing is replicated (ha.replication = none): it will not lead; "
-                       f"restart the last leader on its state directory")
+            message = (f"replica {self.replica_id} holds none of run {run.run_id}{unreadable} "
+                       f"and nothing is replicated (ha.replication = none): it will not lead; "
+                       f"restart the last leader on its state directory, or start a new run "
+                       f"under another ha.run")
             print(f"ftsync-coordinator: {message}", file=sys.stderr, flush=True)
             self.engine.events.emit("standing_by", replica=self.replica_id, run_id=run.run_id,
                                     reason=message)

@@ -405,8 +405,8 @@ class SynchronizerClient:
             if refused.reason != "future_version":
                 raise
         newest = await self.pull(fragment, -1, 0.0)
-        if newest is None:
-            return None
+        if newest is None or newest.version > have_version:
+            return newest  # none yet, or it caught up in between: news as asked for
         self.events.emit("rewound", learner=self.learner_id, fragment=fragment,
                          had_version=have_version, version=newest.version)
         return replace(newest, rewound=True)

@@ -37,8 +37,9 @@ from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetc
 
 # Longest the training thread waits on the loop without looking at pending signals.
 _SIGNAL_CHECK_S = 0.2
-# How long an interrupted start or close may take to leave the run (its Leave waits 5 s).
-_CLEANUP_S = 6.0
+# How long an interrupted start or close may take to leave the run: its Leave waits
+# up to 5 s, stopping the peer server 1 s.
+_CLEANUP_S = 8.0
 
 ReadFragment = Callable[[int], np.ndarray]
 WriteFragment = Callable[[int, np.ndarray], None]
@@ -286,16 +287,18 @@ class FragmentSync:
                 self._loop.close()
 
     async def _close(self, reason: str, flush_timeout: float) -> None:
-        if self._sends is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
-        for task in self._tasks:  # no heartbeat after the Leave
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._peer_server is not None:
-            await self._peer_server.stop()
-        await self.client.leave(reason)
-        await self.client.close()
+        try:
+            if self._sends is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
+        finally:  # an interrupted flush (Ctrl-C) still leaves the run
+            for task in self._tasks:  # no heartbeat after the Leave
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._peer_server is not None:
+                await self._peer_server.stop()
+            await self.client.leave(reason)
+            await self.client.close()
 
     async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
         """The fragments no peer served, from the coordinator: each at its current
