@@ -36,6 +36,7 @@ from learner.client import Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.events import EventLog
+from tests.integration.test_learner import small_model, train_step
 
 NUMELS = [2000, 1000]
 TTL_S = 3
@@ -159,9 +160,9 @@ def test_without_replication_a_standby_holding_nothing_waits_for_the_leader_to_r
         learners.start()
         await wait_for(lambda: len(cluster.commits(old)) >= 10, 30, "commits by the leader")
         cluster.replicas[old].kill()
+        # Declined once the old lease expired, when it was free to campaign.
         await wait_for(lambda: any(e["kind"] == "standing_by" for e in cluster.events(standby)),
                        TTL_S + 10, "the standby declining to lead")
-        await asyncio.sleep(1.0)  # past the lease: still no leader
         assert cluster.roles()[standby][0] == "standby"
         await asyncio.to_thread(cluster.replicas[old].start)
         new, _ = await asyncio.to_thread(cluster.leader, 30.0, epoch)
@@ -187,8 +188,7 @@ def test_under_async_replication_a_learner_ahead_of_the_new_leader_syncs_on(
     cluster = ReplicaSet(tmp_path / "replicas", etcd.endpoints, count=2,
                          args=[*REPLICA_ARGS, "--set", "ha.replication=async"])
     cluster.root.mkdir()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     log = tmp_path / "learner.events.jsonl"
 
@@ -196,13 +196,9 @@ def test_under_async_replication_a_learner_ahead_of_the_new_leader_syncs_on(
         deadline = time.monotonic() + 60
         while not done():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            x = torch.randn(32, 8)
-            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt)
             learner.step(tokens=32)
-            time.sleep(0.01)
+            time.sleep(0.01)  # a step's compute, so that rounds commit between steps
 
     try:
         cluster.start()

@@ -266,7 +266,7 @@ def test_a_learner_ahead_of_a_coordinator_that_lost_versions_takes_its_newest(
             for _ in range(600):
                 train_step(model, opt)
                 learner.step(tokens=32)
-                time.sleep(0.01)
+                time.sleep(0.01)  # a step's compute, so that rounds commit between steps
                 if done():
                     return
             raise AssertionError(f"applied {learner.applied_versions}, coordinator at "
