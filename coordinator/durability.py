@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
 import zlib
 from collections.abc import Iterable
@@ -55,6 +56,14 @@ class FragmentRecord:
     manifest: list[dict[str, Any]]
     # Epoch of the leader that committed the version (0: no high availability).
     epoch: int = 0
+    # Random, nonzero (`new_commit_id`); 0 in records written before there were ids.
+    commit_id: int = 0
+
+
+def new_commit_id() -> int:
+    """A version's id, unique to its commit: a version number committed again after
+    versions were lost gets another one, so learners never mix the two histories."""
+    return 1 + secrets.randbelow(2**64 - 1)
 
 
 class StateDir:
@@ -96,7 +105,7 @@ class StateDir:
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "numel": params.size,
             "watermarks": record.watermarks, "manifest": record.manifest,
-            "epoch": record.epoch,
+            "epoch": record.epoch, "commit_id": record.commit_id,
         }).encode()
         crc = zlib.crc32(momentum.data.cast("B"),
                          zlib.crc32(params.data.cast("B"), zlib.crc32(header)))
@@ -188,7 +197,8 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
         fragment=int(header["fragment"]), version=int(header["version"]),
         params=values[:numel].copy(), momentum=values[numel:].copy(),
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
-        manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)))
+        manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)),
+        commit_id=int(header.get("commit_id", 0)))
 
 
 def _manifest_lines(text: str) -> list[dict[str, Any]]:

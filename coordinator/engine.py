@@ -74,6 +74,7 @@ class FragmentView:
     fragment: int
     version: int
     merged_seq: int
+    commit_id: int
 
 
 @dataclass(frozen=True)
@@ -341,10 +342,11 @@ class Engine:
         views = []
         for p, published in enumerate(store.snapshot()):
             if published is None:
-                views.append(FragmentView(p, -1, 0))
+                views.append(FragmentView(p, -1, 0, 0))
             else:
                 views.append(FragmentView(p, published.version,
-                                          published.watermarks.get(learner_id, 0)))
+                                          published.watermarks.get(learner_id, 0),
+                                          published.commit_id))
         return views
 
     # -- pushes ---------------------------------------------------------------

@@ -70,7 +70,7 @@ def replica_messages(epoch: int, leader_id: str, run: RunRecord,
         epoch=epoch, leader_id=leader_id, run_id=run.run_id, layout_hash=run.layout_hash,
         numels=run.numels, fragment=record.fragment, version=record.version, numel=numel,
         watermarks=record.watermarks, manifest_json=json.dumps(record.manifest),
-        commit_epoch=record.epoch))
+        commit_epoch=record.epoch, commit_id=record.commit_id))
     yield from iter_chunk_messages(record.params, _FP32, pb.ReplicaMessage, _CHUNK_BYTES)
     for message in iter_chunk_messages(record.momentum, _FP32, pb.ReplicaMessage,
                                        _CHUNK_BYTES):
@@ -107,7 +107,8 @@ async def read_replica(
         fragment=int(header.fragment), version=int(header.version),
         params=values[:numel], momentum=values[numel:],
         watermarks={k: int(v) for k, v in header.watermarks.items()},
-        manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch))
+        manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch),
+        commit_id=int(header.commit_id))
     return int(header.epoch), run, record
 
 
@@ -203,7 +204,7 @@ class Replicator:
         # laggard may still be sending this version then.
         record = FragmentRecord(record.fragment, record.version, record.params,
                                 record.momentum.copy(), dict(record.watermarks),
-                                record.manifest, record.epoch)
+                                record.manifest, record.epoch, record.commit_id)
         waits = {link.replica_id: (link, link.enqueue(record), link.in_sync)
                  for link in list(self.links.values())}
         if self.mode == "async":

@@ -152,7 +152,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                       published: Published) -> AsyncIterator[pb.PullMessage]:
         yield pb.PullMessage(header=pb.PullHeader(
             fragment=fragment, version=published.version, numel=published.params.size,
-            merged_seq=published.watermarks.get(learner_id, 0), epoch=self.engine.epoch))
+            merged_seq=published.watermarks.get(learner_id, 0), epoch=self.engine.epoch,
+            commit_id=published.commit_id))
         for message in iter_chunk_messages(published.params, _FP32, pb.PullMessage,
                                            self.engine.config.limits.chunk_bytes):
             # 4 bytes per fp32 element: reading len(chunk.data) would copy the chunk.
@@ -226,5 +227,5 @@ class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
 
 
 def _statuses(views: list[FragmentView]) -> list[pb.FragmentStatus]:
-    return [pb.FragmentStatus(fragment=v.fragment, version=v.version, merged_seq=v.merged_seq)
-            for v in views]
+    return [pb.FragmentStatus(fragment=v.fragment, version=v.version, merged_seq=v.merged_seq,
+                              commit_id=v.commit_id) for v in views]

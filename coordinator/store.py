@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.config import OuterConfig
-from coordinator.durability import FragmentRecord, StateDir, StateError
+from coordinator.durability import FragmentRecord, StateDir, StateError, new_commit_id
 from coordinator.merge import Accumulator, outer_step
 from coordinator.policy import MergeRule, RoundClose
 
@@ -43,6 +43,7 @@ class Published:
     params: np.ndarray
     watermarks: dict[str, int]
     committed_at: float
+    commit_id: int
 
 
 @dataclass
@@ -126,7 +127,7 @@ class FragmentStore:
                                  f"the run's layout says {slot.numel}")
             slot.momentum = record.momentum
             slot.published = Published(record.version, record.params, record.watermarks,
-                                       time.monotonic())
+                                       time.monotonic(), record.commit_id)
             found[p] = record
         self.state.restore_manifests(found.values())
         return found
@@ -154,12 +155,14 @@ class FragmentStore:
         """Make `values` (owned by the store from now on) version 0. Hold the lock."""
         slot = self.slots[fragment]
         momentum = np.zeros(slot.numel, dtype=np.float32)
-        record = FragmentRecord(fragment, 0, values, momentum, watermarks, [], epoch)
+        record = FragmentRecord(fragment, 0, values, momentum, watermarks, [], epoch,
+                                new_commit_id())
         self.bytes_written += await asyncio.to_thread(self.state.save_fragment, record)
         if guard is not None:
             await guard(record)
         slot.momentum = momentum
-        return await self._publish(slot, Published(0, values, watermarks, time.monotonic()))
+        return await self._publish(
+            slot, Published(0, values, watermarks, time.monotonic(), record.commit_id))
 
     async def fold(self, fragment: int, values: np.ndarray, weight: float, norm: float,
                    prescaled: float) -> np.ndarray | None:
@@ -186,7 +189,7 @@ class FragmentStore:
             delta = accumulator.result(close.total_weight)
             params = outer_step(self.outer, old.params, momentum, delta)
             record = FragmentRecord(close.fragment, close.version, params, momentum,
-                                    watermarks, manifest, epoch)
+                                    watermarks, manifest, epoch, new_commit_id())
             return record, self.state.save_fragment(record)
 
         record, written = await asyncio.to_thread(merge_and_write)
@@ -196,7 +199,8 @@ class FragmentStore:
         params = record.params
         slot.commits += 1
         return await self._publish(
-            slot, Published(close.version, params, watermarks, time.monotonic()))
+            slot, Published(close.version, params, watermarks, time.monotonic(),
+                            record.commit_id))
 
     async def wait_newer(self, fragment: int, have_version: int,
                          timeout: float) -> Published | None:

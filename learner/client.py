@@ -130,6 +130,7 @@ class Pulled:
     version: int
     values: np.ndarray
     merged_seq: int
+    commit_id: int
     # The coordinator's newest version, older than the one asked past: it lost versions.
     rewound: bool = False
 
@@ -452,7 +453,8 @@ class SynchronizerClient:
             received += chunk.count
         self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
                                          merged_seq=header.merged_seq)])
-        return Pulled(header.fragment, header.version, values, header.merged_seq)
+        return Pulled(header.fragment, header.version, values, header.merged_seq,
+                      header.commit_id)
 
     # -- internals ------------------------------------------------------------------
 

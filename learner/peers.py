@@ -130,6 +130,7 @@ class PeerSettings:
 @dataclass(frozen=True)
 class Held:
     version: int
+    commit_id: int
     values: np.ndarray
 
 
@@ -152,20 +153,21 @@ class HeldFragments:
         # (fragment, version) per push or pull under way that may bring a newer one.
         self._awaiting: list[tuple[int, int]] = []
 
-    def applied(self, fragment: int, version: int, values: np.ndarray) -> None:
+    def applied(self, fragment: int, version: int, commit_id: int, values: np.ndarray) -> None:
         with self._lock:
-            self._applied[fragment] = Held(version, np.ascontiguousarray(values))
+            self._applied[fragment] = Held(version, commit_id, np.ascontiguousarray(values))
             pulled = self._pulled.get(fragment)
             if pulled is not None and pulled.version <= version:
                 del self._pulled[fragment]
 
-    def pulled(self, fragment: int, version: int, values: np.ndarray) -> None:
+    def pulled(self, fragment: int, version: int, commit_id: int, values: np.ndarray) -> None:
         with self._lock:
             applied = self._applied.get(fragment)
             pulled = self._pulled.get(fragment)
             if ((applied is None or version > applied.version)
                     and (pulled is None or version > pulled.version)):
-                self._pulled[fragment] = Held(version, np.ascontiguousarray(values))
+                self._pulled[fragment] = Held(version, commit_id,
+                                              np.ascontiguousarray(values))
 
     @contextlib.contextmanager
     def awaiting(self, fragment: int, have_version: int) -> Iterator[None]:
@@ -186,17 +188,19 @@ class HeldFragments:
         with self._lock:
             return any(p == fragment and have < version for p, have in self._awaiting)
 
-    def get(self, fragment: int, version: int) -> np.ndarray | None:
+    def get(self, fragment: int, version: int, commit_id: int) -> np.ndarray | None:
+        """The values of exactly this commit: the version number alone may name a
+        commit of a history the synchronizer has lost since."""
         with self._lock:
             for held in (self._applied.get(fragment), self._pulled.get(fragment)):
-                if held is not None and held.version == version:
+                if held is not None and (held.version, held.commit_id) == (version, commit_id):
                     return held.values
         return None
 
-    def versions(self) -> list[tuple[int, int]]:
-        """(fragment, version) of everything held."""
+    def versions(self) -> list[tuple[int, int, int]]:
+        """(fragment, version, commit id) of everything held."""
         with self._lock:
-            return sorted((p, h.version) for held in (self._applied, self._pulled)
+            return sorted((p, h.version, h.commit_id) for held in (self._applied, self._pulled)
                           for p, h in held.items())
 
 
@@ -294,17 +298,19 @@ class PeerServer:
                               f"asked for run {request.run_id!r} layout "
                               f"{request.layout_hash!r}; this learner is in run {run_id!r} "
                               f"layout {layout_hash!r}")
-        values = self.held.get(request.fragment, request.version)
+        values = self.held.get(request.fragment, request.version, request.commit_id)
         deadline = time.monotonic() + _ARRIVAL_WAIT_S
         while (values is None and time.monotonic() < deadline
                and self.held.may_arrive(request.fragment, request.version)):
             await asyncio.sleep(_ARRIVAL_POLL_S)
-            values = self.held.get(request.fragment, request.version)
+            values = self.held.get(request.fragment, request.version, request.commit_id)
         if values is None:
-            held = [v for p, v in self.held.versions() if p == request.fragment]
+            held = [f"{v} (commit {c:x})" for p, v, c in self.held.versions()
+                    if p == request.fragment]
             raise PeerRefusal("not_held",
-                              f"fragment {request.fragment} version {request.version} is not "
-                              f"held here (held: {held or 'none'})")
+                              f"fragment {request.fragment} version {request.version} (commit "
+                              f"{request.commit_id:x}) is not held here (held: "
+                              f"{', '.join(held) or 'none'})")
         return values
 
     async def reserve(self, request: peer_pb.PeerFetchRequest) -> peer_pb.Reservation:
@@ -375,7 +381,8 @@ class _Servicer(peer_grpc.PeerFragmentsServicer):  # type: ignore[misc]
         except PeerRefusal as refusal:
             await _abort(context, refusal)
         yield pb.PullMessage(header=pb.PullHeader(
-            fragment=request.fragment, version=request.version, numel=values.size))
+            fragment=request.fragment, version=request.version, numel=values.size,
+            commit_id=request.commit_id))
         for message in iter_chunk_messages(values, FP32, pb.PullMessage,
                                            self.server.chunk_bytes()):
             yield message
@@ -393,7 +400,8 @@ class _Servicer(peer_grpc.PeerFragmentsServicer):  # type: ignore[misc]
                            context: Context) -> peer_pb.Holdings:
         run_id, layout_hash = self.server.identity()
         return peer_pb.Holdings(run_id=run_id, layout_hash=layout_hash, fragments=[
-            pb.FragmentStatus(fragment=p, version=v) for p, v in self.server.held.versions()])
+            pb.FragmentStatus(fragment=p, version=v, commit_id=c)
+            for p, v, c in self.server.held.versions()])
 
 
 async def _abort(context: Context, refusal: PeerRefusal) -> NoReturn:
@@ -408,6 +416,7 @@ async def _abort(context: Context, refusal: PeerRefusal) -> NoReturn:
 class Fetched:
     fragment: int
     version: int
+    commit_id: int
     values: np.ndarray
     source: str  # the peer's address
     transport: str
@@ -433,11 +442,12 @@ class PeerFetchReport:
 
 
 async def fetch_from_peers(
-        addresses: Sequence[str], run_id: str, layout_hash: str, wanted: Mapping[int, int],
-        numels: Sequence[int], *, transport: str = "bulk", concurrency: int = 4,
-        idle_timeout_s: float = 10.0,
+        addresses: Sequence[str], run_id: str, layout_hash: str,
+        wanted: Mapping[int, pb.FragmentStatus], numels: Sequence[int], *,
+        transport: str = "bulk", concurrency: int = 4, idle_timeout_s: float = 10.0,
         deliver: Callable[[Fetched], Awaitable[None]] | None = None) -> PeerFetchReport:
-    """Fetch fragment p at exactly version `wanted[p]`, from the first of `addresses`
+    """Fetch fragment p at exactly the version and commit `wanted[p]` names (as
+    the synchronizer published it), from the first of `addresses`
     that holds it (fragment p starts at peer p mod n, so several peers share the
     load). `deliver` is awaited on each fragment as it arrives. Never raises for
     a peer's failure: what no peer served is missing from the report."""
@@ -448,8 +458,9 @@ async def fetch_from_peers(
     limit = asyncio.Semaphore(concurrency)
 
     async def one(fragment: int) -> None:
-        request = peer_pb.PeerFetchRequest(run_id=run_id, layout_hash=layout_hash,
-                                           fragment=fragment, version=wanted[fragment])
+        request = peer_pb.PeerFetchRequest(
+            run_id=run_id, layout_hash=layout_hash, fragment=fragment,
+            version=wanted[fragment].version, commit_id=wanted[fragment].commit_id)
         for i in range(len(peers)):
             peer = peers[(fragment + i) % len(peers)]
             if peer.down:
@@ -496,11 +507,11 @@ async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, tra
                 # A firewall or NAT in the way of the bulk port: gRPC still gets through.
                 peer.bulk_reachable = False
             else:
-                return Fetched(request.fragment, request.version, values, peer.address,
-                               "bulk", time.monotonic() - started)
+                return Fetched(request.fragment, request.version, request.commit_id, values,
+                               peer.address, "bulk", time.monotonic() - started)
         values = await _receive_stream(peer, request, numel, idle_timeout_s)
-        return Fetched(request.fragment, request.version, values, peer.address, "grpc",
-                       time.monotonic() - started)
+        return Fetched(request.fragment, request.version, request.commit_id, values,
+                       peer.address, "grpc", time.monotonic() - started)
     except grpc.aio.AioRpcError as exc:
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             peer.down = True

@@ -210,7 +210,8 @@ class FragmentSync:
             self.peer_address = await self._peer_server.start(self.peers.serve)
         response = await self.client.join()
         # The published versions, read by the coordinator in one step: a consistent vector.
-        versions = {status.fragment: status.version for status in response.fragments}
+        published = {status.fragment: status for status in response.fragments}
+        versions = {p: status.version for p, status in published.items()}
         for p, version in versions.items():
             if version < 0:
                 await self.client.push_initial(p, self.read(p))
@@ -229,12 +230,13 @@ class FragmentSync:
 
         async def from_peer(fetched: Fetched) -> None:
             await load(fetched.fragment, Pulled(fetched.fragment, fetched.version,
-                                                fetched.values, 0), fetched.source)
+                                                fetched.values, 0, fetched.commit_id),
+                       fetched.source)
 
         if self.peers.peers and min(versions.values()) >= 0:
             report = await fetch_from_peers(
                 [a for a in self.peers.peers if a != self.peer_address], self.client.run_id,
-                self.client.layout_hash, versions, self.client.numels,
+                self.client.layout_hash, published, self.client.numels,
                 transport=self.peers.transport, concurrency=self.peers.concurrency,
                 idle_timeout_s=self.peers.idle_timeout_s, deliver=from_peer)
             misses = report.misses
@@ -248,7 +250,7 @@ class FragmentSync:
                                                  base_version=pulled.version))
             self.applied_versions[p] = pulled.version
             if self.held is not None:
-                self.held.applied(p, pulled.version, pulled.values)
+                self.held.applied(p, pulled.version, pulled.commit_id, pulled.values)
         self.catch_up = CatchUp(
             versions=dict(self.applied_versions), sources=sources,
             seconds=time.monotonic() - started,
@@ -385,7 +387,7 @@ class FragmentSync:
             pulled = await self.client.pull_newer(p, have_version, self.settings.pull_wait_s)
             if pulled is not None and self.held is not None:
                 # Servable to peers from now on, before this learner applies it.
-                self.held.pulled(p, pulled.version, pulled.values)
+                self.held.pulled(p, pulled.version, pulled.commit_id, pulled.values)
             return pulled
 
     def _awaiting(self, p: int, have_version: int) -> contextlib.AbstractContextManager[None]:
@@ -447,7 +449,7 @@ class FragmentSync:
         state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
         self.applied_versions[p] = pulled.version
         if self.held is not None:
-            self.held.applied(p, pulled.version, pulled.values)
+            self.held.applied(p, pulled.version, pulled.commit_id, pulled.values)
         self.client.events.emit("applied", learner=self.client.learner_id, fragment=p,
                                 version=pulled.version, step=self.local_step)
         return True

@@ -35,14 +35,16 @@ class Layout(_message.Message):
     def __init__(self, hash: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentSpec, _Mapping]]] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment", "version", "merged_seq")
+    __slots__ = ("fragment", "version", "merged_seq", "commit_id")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MERGED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     merged_seq: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., merged_seq: _Optional[int] = ...) -> None: ...
+    commit_id: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., merged_seq: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("learner_id", "layout", "overlap_steps", "host", "pid", "device")
@@ -171,20 +173,22 @@ class PullRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch")
+    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
     MERGED_SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
     not_modified: bool
     merged_seq: int
     epoch: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    commit_id: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -300,7 +304,7 @@ class StatusResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., min_quorum: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., layout_hash: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch")
+    __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch", "commit_id")
     class WatermarksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +323,7 @@ class ReplicaHeader(_message.Message):
     WATERMARKS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     leader_id: str
     run_id: str
@@ -330,7 +335,8 @@ class ReplicaHeader(_message.Message):
     watermarks: _containers.ScalarMap[str, int]
     manifest_json: str
     commit_epoch: int
-    def __init__(self, epoch: _Optional[int] = ..., leader_id: _Optional[str] = ..., run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., numels: _Optional[_Iterable[int]] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., watermarks: _Optional[_Mapping[str, int]] = ..., manifest_json: _Optional[str] = ..., commit_epoch: _Optional[int] = ...) -> None: ...
+    commit_id: int
+    def __init__(self, epoch: _Optional[int] = ..., leader_id: _Optional[str] = ..., run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., numels: _Optional[_Iterable[int]] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., watermarks: _Optional[_Mapping[str, int]] = ..., manifest_json: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class ReplicaMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PeerFetchRequest(_message.Message):
-    __slots__ = ("run_id", "layout_hash", "fragment", "version")
+    __slots__ = ("run_id", "layout_hash", "fragment", "version", "commit_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     layout_hash: str
     fragment: int
     version: int
-    def __init__(self, run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    commit_id: int
+    def __init__(self, run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("fragment", "version", "numel", "ticket", "bulk_port", "expires_ms")

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import torch
 
 from chaos.proxy import ThreadedProxy
 from learner.api import Learner
-from learner.client import SynchronizerClient
+from learner.client import Pulled, SynchronizerClient
 from learner.fragments import FragmentView
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
@@ -74,7 +75,7 @@ def holds_published(daemon: Daemon, address: str) -> bool:
     return all(v in held.get(p, set()) for p, v in published(daemon).items())
 
 
-async def coordinator_values(daemon: Daemon, learner: Learner) -> dict[int, tuple[int, np.ndarray]]:
+async def coordinator_values(daemon: Daemon, learner: Learner) -> dict[int, Pulled]:
     """Every fragment as the coordinator publishes it now, seen by an observer."""
     observer = SynchronizerClient(daemon.address, "observer", learner.plan.hash,
                                   learner.plan.numels)
@@ -83,7 +84,7 @@ async def coordinator_values(daemon: Daemon, learner: Learner) -> dict[int, tupl
     for p in range(len(learner.plan.numels)):
         pulled = await observer.pull(p, have_version=-1, wait_s=0)
         assert pulled is not None
-        result[p] = (pulled.version, pulled.values)
+        result[p] = pulled
     await observer.close()
     return result
 
@@ -126,9 +127,9 @@ def test_catch_up_from_a_peer_loads_exactly_the_published_versions(
             assert catch_up.bytes_from_peers == 4 * sum(b.plan.numels)
             expected = asyncio.run(coordinator_values(daemon, b))
             view = FragmentView(model_b, b.plan)
-            for p, (version, values) in expected.items():
-                assert version == versions[p]
-                np.testing.assert_array_equal(view.read(p), values)
+            for p, pulled in expected.items():
+                assert pulled.version == versions[p]
+                np.testing.assert_array_equal(view.read(p), pulled.values)
 
 
 def test_fragments_no_peer_holds_come_from_the_coordinator(
@@ -161,12 +162,66 @@ def test_fragments_no_peer_holds_come_from_the_coordinator(
             assert any("not_held" in miss and "fragment 0" in miss for miss in catch_up.misses)
             assert any(miss.startswith(dead) for miss in catch_up.misses)
             view = FragmentView(model_b, b.plan)
-            for p, (_, values) in asyncio.run(coordinator_values(daemon, b)).items():
-                np.testing.assert_array_equal(view.read(p), values)
-            asyncio.run(refusals(a))
+            coordinator = asyncio.run(coordinator_values(daemon, b))
+            for p, pulled in coordinator.items():
+                np.testing.assert_array_equal(view.read(p), pulled.values)
+            asyncio.run(refusals(a, coordinator[1].commit_id))
 
 
-async def refusals(a: Learner) -> None:
+def test_a_peer_holding_a_version_the_coordinator_lost_is_not_taken_for_its_new_one(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """A coordinator restored from an older state directory commits its version
+    numbers again, with other contents. A peer still holding the lost version 1
+    must not pass it off as the new version 1: the catch-up asks for the commit
+    the coordinator published, and loads it from the coordinator instead."""
+    state, backup = tmp_path / "state", tmp_path / "backup"
+    daemon = start_daemon("--set", "policy.grace_max_s=0", state_dir=state)
+    model_a = mlp(seed=0)
+    with Learner(daemon.address, model_a, sync_every=4, fragments=4, device="cpu",
+                 learner_id="a", serve_peers="127.0.0.1:0") as a:
+        assert a.peer_address is not None
+        daemon.stop()
+        shutil.copytree(state, backup)  # every fragment at version 0
+        daemon.start()
+        push_every_fragment_once(a, model_a)
+        wait_until(lambda: min(published(daemon).values()) == 1
+                   and holds_published(daemon, str(a.peer_address)),
+                   message="version 1 of every fragment, held by the peer")
+        lost = asyncio.run(coordinator_values(daemon, a))
+        daemon.kill()
+        shutil.rmtree(state)
+        shutil.copytree(backup, state)
+        daemon.start()
+        # a idles, holding the lost version 1; another learner's pushes commit a new one.
+        pusher = SynchronizerClient(daemon.address, "pusher", a.plan.hash, a.plan.numels)
+
+        async def push() -> None:
+            await pusher.join()
+            for p, numel in enumerate(a.plan.numels):
+                delta = np.full(numel, 0.01, dtype=np.float32)
+                await pusher.push(p, delta, base_version=0, c_tokens=10, c_steps=1,
+                                  local_step=1)
+            await pusher.close()
+
+        asyncio.run(push())
+        wait_until(lambda: min(published(daemon).values()) == 1,
+                   message="version 1 of every fragment, committed again")
+        assert holds_published(daemon, str(a.peer_address))  # by number, not by commit
+        model_b = mlp(seed=1)
+        with Learner(daemon.address, model_b, sync_every=4, fragments=4, device="cpu",
+                     learner_id="b", peers=[a.peer_address]) as b:
+            catch_up = b.catch_up
+            assert catch_up is not None
+            assert catch_up.sources == {p: "coordinator" for p in range(4)}, catch_up.misses
+            assert all("not_held" in miss for miss in catch_up.misses), catch_up.misses
+            view = FragmentView(model_b, b.plan)
+            for p, pulled in asyncio.run(coordinator_values(daemon, b)).items():
+                assert pulled.version == 1 and pulled.commit_id != lost[p].commit_id
+                assert not np.array_equal(pulled.values, lost[p].values)
+                np.testing.assert_array_equal(view.read(p), pulled.values)
+
+
+async def refusals(a: Learner, commit_id: int) -> None:
     """What a peer answers to requests it cannot serve, and to a spent ticket."""
     run_id = a.client.run_id
     async with grpc.aio.insecure_channel(str(a.peer_address)) as channel:
@@ -182,10 +237,14 @@ async def refusals(a: Learner) -> None:
             return raised.value.code()
 
         ok = peer_pb.PeerFetchRequest(run_id=run_id, layout_hash=a.plan.hash, fragment=1,
-                                      version=0)
+                                      version=0, commit_id=commit_id)
         assert await code_of(peer_pb.PeerFetchRequest(
             run_id=run_id, layout_hash=a.plan.hash, fragment=0, version=1)) == \
             grpc.StatusCode.NOT_FOUND
+        # The version it holds, under another commit: of a history since lost.
+        assert await code_of(peer_pb.PeerFetchRequest(
+            run_id=run_id, layout_hash=a.plan.hash, fragment=1, version=0,
+            commit_id=commit_id ^ 1)) == grpc.StatusCode.NOT_FOUND
         assert await code_of(peer_pb.PeerFetchRequest(
             run_id="another-run", layout_hash=a.plan.hash, fragment=1, version=0)) == \
             grpc.StatusCode.FAILED_PRECONDITION

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
+from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError, new_commit_id
 
 MAGIC_LEN = 8
 LEN_FIELD = 8
@@ -33,7 +33,7 @@ def record(fragment: int = 0, version: int = 1, numel: int = 1000, seed: int = 0
         manifest=manifest if manifest is not None else [
             {"learner": "learner-a", "seq": 3, "weight": 0.5},
             {"learner": "learner-b", "seq": 17, "weight": 1.5, "staleness": 1},
-        ])
+        ], commit_id=new_commit_id())
 
 
 def assert_same(loaded: FragmentRecord | None, saved: FragmentRecord) -> None:
@@ -47,6 +47,7 @@ def assert_same(loaded: FragmentRecord | None, saved: FragmentRecord) -> None:
                                   np.asarray(saved.momentum, np.float32).view(np.uint32))
     assert loaded.watermarks == saved.watermarks
     assert loaded.manifest == saved.manifest
+    assert (loaded.epoch, loaded.commit_id) == (saved.epoch, saved.commit_id)
 
 
 def header_span(blob: bytes) -> tuple[int, int]:

@@ -14,33 +14,41 @@ def values(x: float) -> np.ndarray:
 
 def test_a_learner_holds_the_version_it_applied_and_a_newer_one_it_pulled() -> None:
     held = HeldFragments()
-    held.applied(0, 3, values(3))
-    held.pulled(0, 4, values(4))
-    assert held.versions() == [(0, 3), (0, 4)]
-    got = held.get(0, 4)
+    held.applied(0, 3, 30, values(3))
+    held.pulled(0, 4, 40, values(4))
+    assert held.versions() == [(0, 3, 30), (0, 4, 40)]
+    got = held.get(0, 4, 40)
     assert got is not None and got[0] == 4
-    assert held.get(0, 5) is None
+    assert held.get(0, 5, 50) is None
     # Applying 4 drops nothing servable, only the duplicate; applying 5 drops 3 and 4.
-    held.applied(0, 4, values(4))
-    assert held.versions() == [(0, 4)]
-    held.pulled(0, 5, values(5))
-    held.applied(0, 5, values(5))
-    assert held.versions() == [(0, 5)]
+    held.applied(0, 4, 40, values(4))
+    assert held.versions() == [(0, 4, 40)]
+    held.pulled(0, 5, 50, values(5))
+    held.applied(0, 5, 50, values(5))
+    assert held.versions() == [(0, 5, 50)]
     # An older pull, arriving late, is not kept.
-    held.pulled(0, 4, values(4))
-    assert held.versions() == [(0, 5)]
+    held.pulled(0, 4, 40, values(4))
+    assert held.versions() == [(0, 5, 50)]
+
+
+def test_a_version_is_served_only_under_the_commit_it_was_pulled_as() -> None:
+    held = HeldFragments()
+    held.applied(0, 5, 50, values(5))
+    # Version 5 committed again (the coordinator lost versions) is another commit.
+    assert held.get(0, 5, 51) is None
+    assert held.get(0, 5, 50) is not None
 
 
 def test_held_arrays_are_the_runtimes_own_not_copies() -> None:
     held = HeldFragments()
     mine = values(1)
-    held.applied(1, 0, mine)
-    assert held.get(1, 0) is mine
+    held.applied(1, 0, 10, mine)
+    assert held.get(1, 0, 10) is mine
 
 
 def test_a_push_or_pull_under_way_may_bring_only_newer_versions() -> None:
     held = HeldFragments()
-    held.applied(0, 2, values(2))
+    held.applied(0, 2, 20, values(2))
     assert not held.may_arrive(0, 3)
     with held.awaiting(0, 2):
         assert held.may_arrive(0, 3) and not held.may_arrive(0, 2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.config import CoordinatorConfig, HaConfig
-from coordinator.durability import FragmentRecord, RunRecord, StateDir
+from coordinator.durability import FragmentRecord, RunRecord, StateDir, new_commit_id
 from coordinator.engine import Engine
 from coordinator.errors import NotLeader, Reason, Rejected
 from coordinator.replication import read_replica, replica_messages
@@ -25,7 +25,7 @@ def record(version: int, epoch: int, fragment: int = 0, seed: int = 0) -> Fragme
     numel = RUN.numels[fragment]
     return FragmentRecord(fragment, version, rng.standard_normal(numel).astype(np.float32),
                           rng.standard_normal(numel).astype(np.float32), {"a": version},
-                          [{"learner": "a", "seq": version}], epoch)
+                          [{"learner": "a", "seq": version}], epoch, new_commit_id())
 
 
 async def stream(messages: Iterable[pb.ReplicaMessage]) -> AsyncIterator[pb.ReplicaMessage]:
@@ -43,6 +43,7 @@ def test_a_version_survives_the_wire_bit_for_bit() -> None:
         epoch, run, got = roundtrip(replica_messages(9, "r0", RUN, sent))
         assert (epoch, run) == (9, RUN)
         assert (got.fragment, got.version, got.epoch) == (fragment, 7, 3)
+        assert got.commit_id == sent.commit_id != 0
         assert got.watermarks == sent.watermarks and got.manifest == sent.manifest
         np.testing.assert_array_equal(got.params, sent.params)
         np.testing.assert_array_equal(got.momentum, sent.momentum)
