@@ -48,6 +48,9 @@ from protos.events import EventLog
 _TICK_S = 0.05
 # fp32 parameters, momentum and one open round's sum per parameter.
 _BYTES_PER_PARAM = 12
+# How long a push stream that ended early waits for gRPC to cancel its call
+# (cut short) before it is refused as incomplete (the learner sent too little).
+_CUT_NOTICE_S = 0.5
 
 
 def physical_memory() -> int:
@@ -385,7 +388,14 @@ class Engine:
             prescale = policy.admit(offer, self.clock()).weight
         async with store.staging.lease(store.numel(p)) as lease:
             assert lease.buffer is not None
-            norm, nbytes = await self._receive(header, codec, chunks, lease.buffer, prescale)
+            try:
+                norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,
+                                                   prescale)
+            except asyncio.CancelledError:
+                self.metrics.pushes_cut.add(1)
+                self.events.emit("push_cut", learner=header.learner_id, fragment=p,
+                                 seq=header.seq)
+                raise
             stats = self.learners.setdefault(header.learner_id, LearnerStats())
             stats.bytes_in += nbytes
             self.bytes_in += nbytes
@@ -453,6 +463,10 @@ class Engine:
             received += chunk.count
             nbytes += len(data)
         if received != numel:
+            # A call cut short (the learner cancelled it or died, or gRPC refused a
+            # message over its size limit) also ends the stream here, and gRPC cancels
+            # this handler soon after: a push cut short is not a malformed one.
+            await asyncio.sleep(_CUT_NOTICE_S)
             raise Rejected(Reason.BAD_SHAPE,
                            f"stream ended after {received} of {numel} elements of fragment "
                            f"{header.fragment}")

@@ -45,6 +45,10 @@ class Metrics:
             "ftsync_contributions", description="contributions folded into a round")
         self.rejections = meter.create_counter(
             "ftsync_rejections", description="requests refused, by reason")
+        self.pushes_cut = meter.create_counter(
+            "ftsync_pushes_cut",
+            description="pushes whose call ended before their last chunk: the learner "
+                        "cancelled or died, or sent a message over gRPC's size limit")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

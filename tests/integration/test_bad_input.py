@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
+import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -676,6 +678,47 @@ def test_oversize_chunk_is_resource_exhausted(start_daemon: StartDaemon) -> None
                     grpc.StatusCode.RESOURCE_EXHAUSTED, Reason.OVERSIZE,
                     str(size), f"limit is {MAX_CHUNK_BYTES}")
     contribute_and_commit(daemon, seq=2)
+
+
+def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    """A learner that cancels its push (or dies) mid-stream, and a message over
+    gRPC's own size limit (which gRPC refuses before the daemon reads it), both
+    end the push stream early, like a push that sent too little; neither is the
+    learner's malformed push, so neither counts as a rejection."""
+    log = tmp_path / "events.jsonl"
+    daemon = started(start_daemon, "--event-log", str(log))
+    before, counts = state(daemon), rejections(daemon)
+    sent, cancelled = threading.Event(), threading.Event()
+
+    def cut_off() -> Iterator[pb.PushMessage]:
+        yield pb.PushMessage(header=pb.PushHeader(
+            learner_id="a", fragment=0, layout_hash=HASH, seq=2, base_version=0,
+            c_tokens=1, c_steps=1, numel=NUMEL))
+        yield pb.PushMessage(chunk=fp32_chunk(GRADIENT, 0, HALF))
+        sent.set()
+        cancelled.wait(RPC_TIMEOUT)
+
+    channel, synchronizer = stub(daemon)
+    with channel:
+        call = synchronizer.PushFragment.future(cut_off())
+        assert sent.wait(RPC_TIMEOUT)
+        time.sleep(0.3)  # the daemon's handler takes the push up
+        assert not call.done()  # the push waits for its rest
+        call.cancel()
+    cancelled.set()
+    too_big = 2 * MAX_CHUNK_BYTES + (1 << 20)  # over gRPC's limit on the daemon (8 MiB)
+    with pytest.raises(grpc.RpcError) as refused:
+        push(daemon, chunks=[pb.Chunk(offset=0, count=NUMEL, scale=1.0, data=bytes(too_big))],
+             seq=3, base_version=0)
+    error: Any = refused.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (error.details() or ""), error.details()
+    wait_until(lambda: log.read_text().count('"push_cut"') == 2, timeout=10,
+               message="both cut pushes in the event log")
+    assert rejections(daemon) == counts
+    assert state(daemon) == before
+    contribute_and_commit(daemon, seq=4)
 
 
 def test_an_embedded_coordinator_takes_no_replicated_versions(
