@@ -58,11 +58,14 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Trailing metadata in which a standby names the leader.
 _LEADER_METADATA = "ftsync-leader"
-# Pause before asking again when a replica redirects or no leader is known yet:
-# an election is under way, so short and not growing.
+# Pause before asking the leader a replica named, or the next replica.
 _REDIRECT_S = (0.01, 0.05)
 # Longest pause between rounds over every replica while none answers.
 _FAILOVER_BACKOFF_S = 0.1
+# How long a failover may take (the failed leader's lease, 3 s by default, and a
+# campaign): while a call has failed for less, replicas are asked again within
+# _FAILOVER_BACKOFF_S; after it, the backoff grows as for a coordinator that is down.
+FAILOVER_WINDOW_S = 10.0
 # A heartbeat answers in milliseconds; one that takes this long means a frozen
 # or cut-off coordinator, and the search for the leader starts.
 _HEARTBEAT_DEADLINE_S = 2.0
@@ -509,7 +512,8 @@ class SynchronizerClient:
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.retry.give_up_after_s
+        started = loop.time()
+        give_up = started + self.retry.give_up_after_s
         delays = self.retry.delays()
         # Replicas tried since the last backoff: go round them all before waiting.
         tried = 0
@@ -539,11 +543,16 @@ class SynchronizerClient:
                 await asyncio.sleep(random.uniform(*_REDIRECT_S))
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
-                if (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                        and details.startswith("not_leader")):
-                    if loop.time() >= give_up:
+                not_leader = (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                              and details.startswith("not_leader"))
+                if not not_leader and exc.code() not in _TRANSIENT:
+                    raise Refused(exc.code(), details) from exc
+                if loop.time() >= give_up:
+                    if not_leader:
                         raise Refused(exc.code(), details) from exc
-                    leader = _leader_named(exc)
+                    raise
+                leader = _leader_named(exc) if not_leader else ""
+                if leader:
                     if loop.time() - self._failed_at.get(leader, -math.inf) < \
                             _HEARTBEAT_DEADLINE_S:
                         # Sent back to a replica that just failed: its lease has yet to
@@ -553,21 +562,21 @@ class SynchronizerClient:
                     await self._find_leader(leader, failed=False)
                     await asyncio.sleep(random.uniform(*_REDIRECT_S))
                     continue
-                if exc.code() not in _TRANSIENT:
-                    raise Refused(exc.code(), details) from exc
-                if loop.time() >= give_up:
-                    raise
+                # Unreachable, or a standby that knows no leader (a campaign under
+                # way, or none to come): go round the replicas, then back off.
                 tried += 1
-                self._failed_at[self.address] = loop.time()
+                if not not_leader:
+                    self._failed_at[self.address] = loop.time()
                 if len(self.addresses) > 1 or self._etcd is not None:
-                    await self._find_leader("", failed=True)
+                    await self._find_leader("", failed=not not_leader)
                 if tried < max(len(self.addresses), 1):
                     await asyncio.sleep(random.uniform(*_REDIRECT_S))
                 else:
                     tried = 0
                     delay = next(delays)
-                    if len(self.addresses) > 1 or self._etcd is not None:
-                        # Replicas: a failover is under way, so look again soon.
+                    replicas = not_leader or len(self.addresses) > 1 or self._etcd is not None
+                    if replicas and loop.time() - started < FAILOVER_WINDOW_S:
+                        # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)
 

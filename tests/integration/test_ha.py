@@ -32,7 +32,7 @@ from chaos.failover import (
 from coordinator.durability import FragmentRecord, RunRecord
 from coordinator.replication import replica_messages
 from learner.api import Learner
-from learner.client import Retry, SynchronizerClient
+from learner.client import FAILOVER_WINDOW_S, Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.events import EventLog
@@ -160,10 +160,22 @@ def test_without_replication_a_standby_holding_nothing_waits_for_the_leader_to_r
         learners.start()
         await wait_for(lambda: len(cluster.commits(old)) >= 10, 30, "commits by the leader")
         cluster.replicas[old].kill()
+        killed = time.monotonic()
         # Declined once the old lease expired, when it was free to campaign.
         await wait_for(lambda: any(e["kind"] == "standing_by" for e in cluster.events(standby)),
                        TTL_S + 10, "the standby declining to lead")
         assert cluster.roles()[standby][0] == "standby"
+
+        def refused() -> int:
+            return int(cluster.replicas[standby].status().rejections.get("not_leader", 0))
+
+        # Past a failover's time, learners back off as from a coordinator that is down.
+        await asyncio.sleep(max(0.0, killed + FAILOVER_WINDOW_S - time.monotonic()))
+        before, since = refused(), time.monotonic()
+        await asyncio.sleep(3)
+        rate = (refused() - before) / (time.monotonic() - since)
+        # Measured: 5.7/s; 40/s when learners went round the replicas every 10-50 ms.
+        assert rate < 15, f"learners asked a leaderless standby {rate:.1f} times a second"
         await asyncio.to_thread(cluster.replicas[old].start)
         new, _ = await asyncio.to_thread(cluster.leader, 30.0, epoch)
         assert new == old
