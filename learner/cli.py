@@ -168,17 +168,25 @@ def _on_signals(run: _Run) -> None:
     signal.signal(signal.SIGINT, stop)
 
 
-def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
-    """Join; 0 on success, else the exit code after saying what to do."""
+def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
+           args: argparse.Namespace) -> int:
+    """Join; 0 on success, with the run's signal handlers set, else the exit code
+    after saying what to do."""
     interrupted_by = signal.SIGINT
 
     def interrupt(signum: int, _frame: object) -> None:
         nonlocal interrupted_by
+        if joined():
+            # Too late to interrupt the join: the run ends cleanly before its first step.
+            run.stop_signal = signal.Signals(signum).name
+            return
         interrupted_by = signal.Signals(signum)
         raise KeyboardInterrupt
 
     # SIGTERM too interrupts the join, so that a learner that had joined leaves the run.
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # Either signal, until the run's own handlers are set, finds one of these two.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         # Joining waits up to --connect-timeout for a coordinator: say what it waits for.
         print(f"{args.learner_id}: joining {args.coordinator}", flush=True)
@@ -203,8 +211,7 @@ def _start(start: Callable[[], object], args: argparse.Namespace) -> int:
     except OSError as exc:  # --serve-peers on an address in use or not local
         print(f"ftsync-learner: {exc}", file=sys.stderr)
         return 2
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    _on_signals(run)  # from here on a signal ends the run cleanly, between steps
     return 0
 
 
@@ -253,10 +260,9 @@ def run_task(args: argparse.Namespace) -> int:
                       connect_timeout_s=args.connect_timeout, peers=args.peers,
                       serve_peers=args.serve_peers, peer_transport=args.peer_transport)
     run = _Run(args.learner_id)
-    code = _start(learner.start, args)
+    code = _start(learner.start, lambda: learner.catch_up is not None, run, args)
     if code:
         return code
-    _on_signals(run)  # from here on a signal ends the run cleanly, between steps
     with _leaving_on_error(learner.close):
         _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
         run.eval_start = task.eval_loss(model)
@@ -319,10 +325,10 @@ def run_synthetic(args: argparse.Namespace) -> int:
                                              lockstep=args.lockstep),
                         read, write, args.peer_settings)
     run = _Run(args.learner_id)
-    code = _start(lambda: sync.start(timeout=args.connect_timeout + 30), args)
+    code = _start(lambda: sync.start(timeout=args.connect_timeout + 30),
+                  lambda: sync.catch_up is not None, run, args)
     if code:
         return code
-    _on_signals(run)
     with _leaving_on_error(sync.close):
         _say_caught_up(args.learner_id, sync.catch_up, sync.peer_address)
         run.eval_start = task.eval_loss()
