@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -342,6 +343,66 @@ def test_fits_whose_merge_is_late_are_each_pushed_once(start_daemon: StartDaemon
     assert [e["c_steps"] for e in invoked] == [1, 1, 1], invoked
     # c_tokens²/c_steps of one fit of 10 examples, at staleness 0.
     assert [e["weight"] for e in events(log, "push_ack")] == [100.0] * 3
+
+
+class GatedClient(StepClient):
+    """A StepClient whose every fit waits for the test to let it go."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Semaphore(0)
+        self.fitting = threading.Event()
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any],
+            ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        self.fitting.set()
+        assert self.gate.acquire(timeout=60), "the test never let this fit go"
+        self.fitting.clear()
+        return super().fit(parameters, config)
+
+
+def test_a_flower_learner_ahead_of_a_coordinator_that_lost_versions_takes_its_newest(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    """Restored from an older state directory, the coordinator refuses the push based
+    on a version it lost and has nothing newer to pull: the Flower learner takes its
+    newest version and its next fits are merged again."""
+    state, backup, log = tmp_path / "state", tmp_path / "backup", tmp_path / "a.jsonl"
+    daemon = start_daemon("--set", "policy.grace_max_s=0", state_dir=state)
+    client = GatedClient()
+
+    def version() -> int:
+        return int(daemon.status().fragments[0].version)
+
+    def fit_once(then_version: int) -> None:
+        assert client.fitting.wait(30), "no fit under way"
+        client.gate.release()
+        wait_until(lambda: version() == then_version, 30,
+                   message=f"version {then_version}")
+        wait_until(client.fitting.is_set, 30, message="the next fit")
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_numpy_client, client, daemon.address, rounds=5,
+                              learner_id="a", event_log=str(log), pull_wait_s=10.0,
+                              connect_timeout_s=30.0)
+        assert client.fitting.wait(30)  # joined, version 0 offered, first fit under way
+        daemon.stop()
+        shutil.copytree(state, backup)
+        daemon.start()
+        fit_once(then_version=1)
+        fit_once(then_version=2)
+        daemon.kill()
+        shutil.rmtree(state)
+        shutil.copytree(backup, state)
+        daemon.start()
+        assert version() == 0
+        client.gate.release()  # fit 3: pushed on version 2, which the coordinator lost
+        wait_until(lambda: bool(events(log, "rewound")), 30, message="the rewind")
+        fit_once(then_version=1)  # fit 4, on version 0, merged again
+        client.gate.release()
+        summary = running.result(timeout=30)
+    assert summary.versions == {0: 2}
+    (rewound,) = events(log, "rewound")
+    assert (rewound["had_version"], rewound["version"]) == (2, 0), rewound
+    assert summary.dropped == {"future_version": 1}, summary.dropped
 
 
 class FailingClient(SlowClient):
