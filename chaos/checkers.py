@@ -416,9 +416,10 @@ def no_learner_blocked(events: Sequence[Event], bound_s: float) -> CheckResult:
     `bound_s` after such an outage heals (a restarted learner catches up
     first). The span between a learner's first and last `train` is judged,
     and, when the run was cut at `max_duration_s`, the span from its last
-    `train` to the cut if its process was still running then: a cluster that
-    froze near its end would otherwise pass. What counts is the longest
-    healthy stretch inside each gap.
+    `train` to the cut if its process was still running then and had not
+    ended its training (`train_end`: it evaluates and flushes after that): a
+    cluster that froze near its end would otherwise pass. What counts is the
+    longest healthy stretch inside each gap.
     """
     if bound_s <= 0:
         raise ValueError(f"bound_s must be positive, got {bound_s}")
@@ -439,7 +440,8 @@ def no_learner_blocked(events: Sequence[Event], bound_s: float) -> CheckResult:
                 for a, b in pairwise(series)]
         last = series[-1]
         if cut is not None and not any(
-                e.source == HARNESS and e.kind == "process_exit" and e.get("name") == learner
+                ((e.source == HARNESS and e.kind == "process_exit" and e.get("name") == learner)
+                 or (e.source == learner and e.kind == "train_end"))
                 and last.t <= e.t <= cut.t for e in events):
             gaps.append((last, cut, f"from train #{last.index} to the cut at "
                                     f"max_duration_s (#{cut.index})"))

@@ -125,6 +125,13 @@ def _say_caught_up(learner_id: str, catch_up: CatchUp | None,
               f"peers)", flush=True)
 
 
+def _training_ended(run: _Run, events: EventLog) -> None:
+    """Logged before the final evaluation and flush: a learner past it is winding
+    down, not blocked (the chaos checker `no_learner_blocked` reads it)."""
+    events.emit("train_end", learner=run.learner_id, step=run.steps,
+                reason=run.stop_signal or "budget")
+
+
 def _say_leaving(learner_id: str, backlog: int) -> None:
     """Leaving waits for what is not yet merged (a dead coordinator: the whole
     flush timeout), so say so rather than hang silently."""
@@ -293,6 +300,7 @@ def run_task(args: argparse.Namespace) -> int:
                 print(run.line(learner.progress(), eval_loss), flush=True)
                 learner.events.emit("train", learner=args.learner_id, step=run.steps,
                                     loss=run.loss, tokens=run.tokens)
+        _training_ended(run, learner.events)
         eval_end = task.eval_loss(model)
         run.evals.append((run.steps, eval_end))
         learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_end)
@@ -345,6 +353,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
                 print(run.line(sync.progress(), task.eval_loss()), flush=True)
                 events.emit("train", learner=args.learner_id, step=run.steps, loss=run.loss,
                             tokens=run.tokens)
+        _training_ended(run, events)
         _say_leaving(args.learner_id, sync.backlog)
         sync.close(reason=run.stop_signal or "done")
     eval_end = task.eval_loss()

@@ -58,7 +58,8 @@ def test_a_signal_ends_the_run_with_a_leave_and_a_summary(
     process = subprocess.Popen(
         [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--task",
          "synthetic", "--dim", "64", "--steps", "100000", "--step-ms", "5",
-         "--progress-every", "10", "--learner-id", "stopped"],
+         "--progress-every", "10", "--learner-id", "stopped",
+         "--event-log", str(tmp_path / "learner.jsonl")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -75,6 +76,9 @@ def test_a_signal_ends_the_run_with_a_leave_and_a_summary(
                timeout=10, message="the coordinator to see the learner leave")
     left = [json.loads(e) for e in events.read_text().splitlines() if '"leave"' in e]
     assert left[0]["learner"] == "stopped" and left[0]["reason"] == sig.name
+    (ended,) = [json.loads(e) for e in (tmp_path / "learner.jsonl").read_text().splitlines()
+                if '"train_end"' in e]
+    assert (ended["step"], ended["reason"]) == (summary["steps"], sig.name), ended
 
 
 def test_an_etcd_that_names_no_leader_is_unreachable_not_a_refusal() -> None:

@@ -460,6 +460,18 @@ def test_a_cluster_frozen_until_the_run_is_cut_is_blocked() -> None:
     assert result.details["longest_healthy_gap_s"] == {"a": 47.0, "b": 1.0}
 
 
+def test_a_learner_winding_down_at_the_cut_is_not_blocked() -> None:
+    """Past its last step a learner evaluates and flushes (for up to 30 s when the
+    coordinator is away); cut meanwhile, it was not blocked."""
+    log = LogBuilder()
+    log.harness(0.0, "run_start", learners=["a"])
+    _trains(log, "a", [1, 2, 3])
+    log.learner(3.1, "a", "train_end", step=3, reason="budget")
+    log.harness(50.0, "run_stop", reason="max_duration_s reached")
+    result = checkers.no_learner_blocked(log.events(), bound_s=5.0)
+    assert result.passed, result.message
+
+
 def test_a_run_whose_learners_finished_is_not_judged_after_them() -> None:
     log = LogBuilder()
     log.harness(0.0, "run_start", learners=["a"])
