@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +51,11 @@ _BYTES_PER_PARAM = 12
 # How long a push stream that ended early waits for gRPC to cancel its call
 # (cut short) before it is refused as incomplete (the learner sent too little).
 _CUT_NOTICE_S = 0.5
+
+
+class _StreamEnded(Exception):
+    """A push stream ended before its last chunk: cut short, or the learner sent too
+    little; `Engine.push` tells the two apart."""
 
 
 def physical_memory() -> int:
@@ -386,16 +391,47 @@ class Engine:
             self._check_uninitialized(p)
         else:
             prescale = policy.admit(offer, self.clock()).weight
+        try:
+            return await self._fold_in(header, codec, chunks, offer, prescale)
+        except _StreamEnded as ended:
+            # Outside the staging lease, which other pushes may be waiting for.
+            await self.wait_out_cut(header)
+            raise Rejected(Reason.BAD_SHAPE, str(ended)) from None
+
+    async def wait_out_cut(self, header: pb.PushHeader | None) -> None:
+        """Before a push stream that ended too early is refused: a call cut short
+        (the learner cancelled it, died or moved to another replica, or gRPC refused
+        a message over its size limit) ends its stream early too, and gRPC cancels
+        this handler soon after. A push cut short is not a malformed one: it is
+        counted apart, and the caller never gets to refuse it."""
+        with self._counting_cuts(header):
+            await asyncio.sleep(_CUT_NOTICE_S)
+
+    @contextlib.contextmanager
+    def _counting_cuts(self, header: pb.PushHeader | None) -> Iterator[None]:
+        """Counts the push as cut if its call is cancelled meanwhile."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.metrics.pushes_cut.add(1)
+            if header is None:  # cut before its header arrived
+                self.events.emit("push_cut")
+            else:
+                self.events.emit("push_cut", learner=header.learner_id,
+                                 fragment=header.fragment, seq=header.seq)
+            raise
+
+    async def _fold_in(self, header: pb.PushHeader, codec: Codec,
+                       chunks: AsyncIterator[pb.PushMessage], offer: Offer,
+                       prescale: float) -> PushResult:
+        """Receive the contribution into a staging buffer and fold it into the round
+        (or make it the fragment's version 0)."""
+        policy, store, p = self._policy(), self._store(), header.fragment
         async with store.staging.lease(store.numel(p)) as lease:
             assert lease.buffer is not None
-            try:
+            with self._counting_cuts(header):
                 norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,
                                                    prescale)
-            except asyncio.CancelledError:
-                self.metrics.pushes_cut.add(1)
-                self.events.emit("push_cut", learner=header.learner_id, fragment=p,
-                                 seq=header.seq)
-                raise
             stats = self.learners.setdefault(header.learner_id, LearnerStats())
             stats.bytes_in += nbytes
             self.bytes_in += nbytes
@@ -463,13 +499,8 @@ class Engine:
             received += chunk.count
             nbytes += len(data)
         if received != numel:
-            # A call cut short (the learner cancelled it or died, or gRPC refused a
-            # message over its size limit) also ends the stream here, and gRPC cancels
-            # this handler soon after: a push cut short is not a malformed one.
-            await asyncio.sleep(_CUT_NOTICE_S)
-            raise Rejected(Reason.BAD_SHAPE,
-                           f"stream ended after {received} of {numel} elements of fragment "
-                           f"{header.fragment}")
+            raise _StreamEnded(f"stream ended after {received} of {numel} elements of "
+                               f"fragment {header.fragment}")
         if not math.isfinite(total_sq):
             index = first_non_finite(out)
             if index is not None:

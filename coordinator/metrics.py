@@ -48,7 +48,8 @@ class Metrics:
         self.pushes_cut = meter.create_counter(
             "ftsync_pushes_cut",
             description="pushes whose call ended before their last chunk: the learner "
-                        "cancelled or died, or sent a message over gRPC's size limit")
+                        "cancelled it, died or moved to another replica, the daemon "
+                        "stopped, or gRPC refused a message over its size limit")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

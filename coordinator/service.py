@@ -100,9 +100,10 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                            context: Context) -> pb.PushResponse:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
-            await self._abort(context, "PushFragment", "",
-                              Rejected(Reason.MALFORMED,
-                                       "a push stream starts with a header message"))
+            malformed = Rejected(Reason.MALFORMED, "a push stream starts with a header message")
+            if first is None:
+                await self.engine.wait_out_cut(None)
+            await self._abort(context, "PushFragment", "", malformed)
         assert first is not None
         header = first.header
 

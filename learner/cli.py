@@ -192,8 +192,7 @@ def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
 
     # SIGTERM too interrupts the join, so that a learner that had joined leaves the run.
     # Either signal, until the run's own handlers are set, finds one of these two.
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # Joining waits up to --connect-timeout for a coordinator: say what it waits for.
         print(f"{args.learner_id}: joining {args.coordinator}", flush=True)
@@ -201,7 +200,7 @@ def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
     except KeyboardInterrupt:
         print(f"ftsync-learner: interrupted ({interrupted_by.name}) while joining "
               f"{args.coordinator}", file=sys.stderr)
-        return 128 + interrupted_by
+        code = 128 + interrupted_by
     except Refused as refused:
         hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id",
                 "layout_mismatch": "every learner of a run must use the same task, size "
@@ -209,17 +208,21 @@ def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
         print(f"ftsync-learner: the coordinator at {args.coordinator} refused "
               f"{args.learner_id}: {refused.details}" + (f"\n  {hint}" if hint else ""),
               file=sys.stderr)
-        return 2
+        code = 2
     except (grpc.RpcError, TimeoutError) as exc:
         print(f"ftsync-learner: cannot reach a coordinator at {args.coordinator} after "
               f"{args.connect_timeout:.0f}s ({type(exc).__name__}); is ftsync-coordinator "
               f"running there, and is the address right?", file=sys.stderr)
-        return 3
+        code = 3
     except OSError as exc:  # --serve-peers on an address in use or not local
         print(f"ftsync-learner: {exc}", file=sys.stderr)
-        return 2
-    _on_signals(run)  # from here on a signal ends the run cleanly, between steps
-    return 0
+        code = 2
+    else:
+        _on_signals(run)  # from here on a signal ends the run cleanly, between steps
+        return 0
+    for sig, handler in previous.items():  # exiting: a signal now only hurries that
+        signal.signal(sig, handler)
+    return code
 
 
 def _finish(run: _Run, args: argparse.Namespace, eval_end: float,

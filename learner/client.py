@@ -512,9 +512,17 @@ class SynchronizerClient:
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        give_up = started + self.retry.give_up_after_s
         delays = self.retry.delays()
+        # Measured from the first failure, not the call's start: a long pull that
+        # fails late still gets its retries and its quick look for a new leader.
+        failing_since: float | None = None
+
+        def failing_for() -> float:
+            nonlocal failing_since
+            if failing_since is None:
+                failing_since = loop.time()
+            return loop.time() - failing_since
+
         # Replicas tried since the last backoff: go round them all before waiting.
         tried = 0
         while True:
@@ -528,15 +536,16 @@ class SynchronizerClient:
                 if task is None or task.cancelling() or switches == self._switches:
                     raise
                 # Its replica was left behind (closing its channel cancels the call).
-                if loop.time() >= give_up:
+                if failing_for() >= self.retry.give_up_after_s:
                     raise Refused(grpc.StatusCode.UNAVAILABLE,
                                   "the coordinator changed while the call waited") from None
             except _WrongReplica as wrong:
-                if loop.time() >= give_up and not self.address:
+                out_of_time = failing_for() >= self.retry.give_up_after_s
+                if out_of_time and not self.address:
                     # Nobody to be refused by: etcd names no leader, or cannot be reached.
                     raise TimeoutError("no coordinator leads this run: etcd names none or "
                                        "cannot be reached") from wrong
-                if loop.time() >= give_up:
+                if out_of_time:
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"not_leader: {wrong}") from wrong
                 await self._find_leader(wrong.leader, failed=True)
@@ -547,7 +556,7 @@ class SynchronizerClient:
                               and details.startswith("not_leader"))
                 if not not_leader and exc.code() not in _TRANSIENT:
                     raise Refused(exc.code(), details) from exc
-                if loop.time() >= give_up:
+                if failing_for() >= self.retry.give_up_after_s:
                     if not_leader:
                         raise Refused(exc.code(), details) from exc
                     raise
@@ -575,7 +584,7 @@ class SynchronizerClient:
                     tried = 0
                     delay = next(delays)
                     replicas = not_leader or len(self.addresses) > 1 or self._etcd is not None
-                    if replicas and loop.time() - started < FAILOVER_WINDOW_S:
+                    if replicas and failing_for() < FAILOVER_WINDOW_S:
                         # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)

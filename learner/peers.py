@@ -324,7 +324,8 @@ class PeerServer:
                                         now + _RESERVATION_S)
         return peer_pb.Reservation(fragment=request.fragment, version=request.version,
                                    numel=values.size, ticket=ticket, bulk_port=self.bulk_port,
-                                   expires_ms=int(_RESERVATION_S * 1000))
+                                   expires_ms=int(_RESERVATION_S * 1000),
+                                   commit_id=request.commit_id)
 
     def served(self, to: str, fragment: int, version: int, transport: str, nbytes: int,
                started: float) -> None:
@@ -499,6 +500,9 @@ async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, tra
                 request, timeout=_RPC_TIMEOUT_S)
             if reservation.numel != numel:
                 raise PeerMiss(f"reserved {reservation.numel} elements, the fragment has {numel}")
+            if reservation.commit_id != request.commit_id:
+                raise PeerMiss(f"reserved commit {reservation.commit_id:x}, not the one "
+                               f"published ({request.commit_id:x})")
             host, _ = split_address(peer.address)
             try:
                 values = await asyncio.to_thread(_receive_bulk, host, reservation.bulk_port,
@@ -528,9 +532,11 @@ async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel:
         message = await asyncio.wait_for(anext(stream), _RPC_TIMEOUT_S)
         header = message.header
         if (message.WhichOneof("kind") != "header" or header.fragment != request.fragment
-                or header.version != request.version or header.numel != numel):
+                or header.version != request.version or header.numel != numel
+                or header.commit_id != request.commit_id):
             raise ValueError(f"peer sent {header} for fragment {request.fragment} version "
-                             f"{request.version} of {numel} elements")
+                             f"{request.version} (commit {request.commit_id:x}) of {numel} "
+                             f"elements")
         values = np.empty(numel, dtype=np.float32)
         received = 0
         while received < numel:

@@ -181,6 +181,11 @@ class FragmentSync:
             # a loop that no longer answers.
             self._run(self._start_or_abandon(timeout), timeout + 15)
         except BaseException:
+            if self._tasks:
+                # The start had ended when the interrupt came: nothing cancelled it,
+                # so leave the run as a close does, then stop.
+                self.close("interrupted")
+                raise
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             if not self._thread.is_alive():

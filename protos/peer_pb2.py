@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import ftsync_pb2 as protos_dot_ftsync__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/peer.proto\x12\x0e\x66tsync.peer.v1\x1a\x13protos/ftsync.proto\"m\n\x10PeerFetchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x11\n\tcommit_id\x18\x05 \x01(\x04\"v\n\x0bReservation\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\x12\x11\n\tbulk_port\x18\x05 \x01(\r\x12\x12\n\nexpires_ms\x18\x06 \x01(\r\"\x11\n\x0fHoldingsRequest\"]\n\x08Holdings\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.ftsync.v1.FragmentStatus2\xe9\x01\n\rPeerFragments\x12\x43\n\x05\x46\x65tch\x12 .ftsync.peer.v1.PeerFetchRequest\x1a\x16.ftsync.v1.PullMessage0\x01\x12H\n\x07Reserve\x12 .ftsync.peer.v1.PeerFetchRequest\x1a\x1b.ftsync.peer.v1.Reservation\x12I\n\x0cListHoldings\x12\x1f.ftsync.peer.v1.HoldingsRequest\x1a\x18.ftsync.peer.v1.Holdingsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/peer.proto\x12\x0e\x66tsync.peer.v1\x1a\x13protos/ftsync.proto\"m\n\x10PeerFetchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x11\n\tcommit_id\x18\x05 \x01(\x04\"\x89\x01\n\x0bReservation\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\x12\x11\n\tbulk_port\x18\x05 \x01(\r\x12\x12\n\nexpires_ms\x18\x06 \x01(\r\x12\x11\n\tcommit_id\x18\x07 \x01(\x04\"\x11\n\x0fHoldingsRequest\"]\n\x08Holdings\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.ftsync.v1.FragmentStatus2\xe9\x01\n\rPeerFragments\x12\x43\n\x05\x46\x65tch\x12 .ftsync.peer.v1.PeerFetchRequest\x1a\x16.ftsync.v1.PullMessage0\x01\x12H\n\x07Reserve\x12 .ftsync.peer.v1.PeerFetchRequest\x1a\x1b.ftsync.peer.v1.Reservation\x12I\n\x0cListHoldings\x12\x1f.ftsync.peer.v1.HoldingsRequest\x1a\x18.ftsync.peer.v1.Holdingsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PEERFETCHREQUEST']._serialized_start=58
   _globals['_PEERFETCHREQUEST']._serialized_end=167
-  _globals['_RESERVATION']._serialized_start=169
-  _globals['_RESERVATION']._serialized_end=287
-  _globals['_HOLDINGSREQUEST']._serialized_start=289
-  _globals['_HOLDINGSREQUEST']._serialized_end=306
-  _globals['_HOLDINGS']._serialized_start=308
-  _globals['_HOLDINGS']._serialized_end=401
-  _globals['_PEERFRAGMENTS']._serialized_start=404
-  _globals['_PEERFRAGMENTS']._serialized_end=637
+  _globals['_RESERVATION']._serialized_start=170
+  _globals['_RESERVATION']._serialized_end=307
+  _globals['_HOLDINGSREQUEST']._serialized_start=309
+  _globals['_HOLDINGSREQUEST']._serialized_end=326
+  _globals['_HOLDINGS']._serialized_start=328
+  _globals['_HOLDINGS']._serialized_end=421
+  _globals['_PEERFRAGMENTS']._serialized_start=424
+  _globals['_PEERFRAGMENTS']._serialized_end=657
 # @@protoc_insertion_point(module_scope)

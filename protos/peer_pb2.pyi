@@ -22,20 +22,22 @@ class PeerFetchRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "ticket", "bulk_port", "expires_ms")
+    __slots__ = ("fragment", "version", "numel", "ticket", "bulk_port", "expires_ms", "commit_id")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
     ticket: bytes
     bulk_port: int
     expires_ms: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+    commit_id: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ..., expires_ms: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class HoldingsRequest(_message.Message):
     __slots__ = ()

@@ -682,10 +682,10 @@ def test_oversize_chunk_is_resource_exhausted(start_daemon: StartDaemon) -> None
 
 def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
         start_daemon: StartDaemon, tmp_path: Path) -> None:
-    """A learner that cancels its push (or dies) mid-stream, and a message over
-    gRPC's own size limit (which gRPC refuses before the daemon reads it), both
-    end the push stream early, like a push that sent too little; neither is the
-    learner's malformed push, so neither counts as a rejection."""
+    """A learner that cancels its push (or dies) mid-stream or before its header,
+    and a message over gRPC's own size limit (which gRPC refuses before the daemon
+    reads it), all end the push stream early, like a push that sent too little;
+    none is the learner's malformed push, so none counts as a rejection."""
     log = tmp_path / "events.jsonl"
     daemon = started(start_daemon, "--event-log", str(log))
     before, counts = state(daemon), rejections(daemon)
@@ -699,13 +699,19 @@ def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
         sent.set()
         cancelled.wait(RPC_TIMEOUT)
 
+    def nothing_yet() -> Iterator[pb.PushMessage]:
+        cancelled.wait(RPC_TIMEOUT)
+        yield from ()
+
     channel, synchronizer = stub(daemon)
     with channel:
         call = synchronizer.PushFragment.future(cut_off())
         assert sent.wait(RPC_TIMEOUT)
-        time.sleep(0.3)  # the daemon's handler takes the push up
-        assert not call.done()  # the push waits for its rest
+        headless = synchronizer.PushFragment.future(nothing_yet())
+        time.sleep(0.3)  # the daemon's handlers take both calls up
+        assert not call.done() and not headless.done()  # each waits for the rest
         call.cancel()
+        headless.cancel()
     cancelled.set()
     too_big = 2 * MAX_CHUNK_BYTES + (1 << 20)  # over gRPC's limit on the daemon (8 MiB)
     with pytest.raises(grpc.RpcError) as refused:
@@ -714,8 +720,8 @@ def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
     error: Any = refused.value
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max" in (error.details() or ""), error.details()
-    wait_until(lambda: log.read_text().count('"push_cut"') == 2, timeout=10,
-               message="both cut pushes in the event log")
+    wait_until(lambda: log.read_text().count('"push_cut"') == 3, timeout=10,
+               message="the three cut pushes in the event log")
     assert rejections(daemon) == counts
     assert state(daemon) == before
     contribute_and_commit(daemon, seq=4)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from learner.api import Learner
 from learner.client import SynchronizerClient
 from learner.fragments import FragmentView
+from learner.streaming import FragmentSync
 from tests.daemon import Daemon, wait_until
 
 
@@ -289,6 +291,30 @@ def test_a_learner_ahead_of_a_coordinator_that_lost_versions_takes_its_newest(
     rewound = [json.loads(line) for line in log.read_text().splitlines()
                if '"rewound"' in line]
     assert rewound and all(e["version"] < e["had_version"] for e in rewound), rewound
+
+
+def test_an_interrupt_that_comes_just_as_the_start_ends_still_leaves_the_run(
+        start_daemon: Callable[..., Daemon], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the instant the start ends: cancelling it is too late, so no
+    cancellation cleans up; the learner must still say Leave before it stops."""
+    log = tmp_path / "coordinator.jsonl"
+    daemon = start_daemon("--event-log", str(log))
+    run = FragmentSync._run
+
+    def interrupted_as_it_ends(self: FragmentSync, coroutine: Any, timeout: float) -> None:
+        run(self, coroutine, timeout)
+        if not self._stopping:  # the start, not the close
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FragmentSync, "_run", interrupted_as_it_ends)
+    learner = Learner(daemon.address, small_model(), sync_every=4, fragments=2, device="cpu",
+                      learner_id="interrupted", connect_timeout_s=30)
+    with pytest.raises(KeyboardInterrupt):
+        learner.start()
+    left = [json.loads(line) for line in log.read_text().splitlines() if '"leave"' in line]
+    assert [(e["learner"], e["reason"]) for e in left] == [("interrupted", "interrupted")]
+    assert not any(s.live for s in daemon.status().learners)
 
 
 def test_a_step_before_start_is_refused() -> None:

@@ -33,8 +33,11 @@ def test_a_signal_before_the_join_is_done_interrupts_it(
         os.kill(os.getpid(), sig)
         raise AssertionError("the signal should have interrupted the join")
 
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     assert _start(start, lambda: False, run, ARGS) == 128 + sig
     assert f"interrupted ({sig.name}) while joining" in capsys.readouterr().err
+    # Exiting now: the handlers from before the join are back.
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -50,5 +53,6 @@ def test_a_signal_once_the_join_is_done_ends_the_run_before_its_first_step(
     assert _start(start, lambda: joined, run, ARGS) == 0
     assert run.stop_signal == sig.name
     # The run's own handlers are set: a second signal too is only recorded.
-    os.kill(os.getpid(), signal.SIGTERM)
-    assert run.stop_signal == "SIGTERM"
+    other = signal.SIGINT if sig == signal.SIGTERM else signal.SIGTERM
+    os.kill(os.getpid(), other)
+    assert run.stop_signal == other.name
