@@ -184,6 +184,8 @@ class SynchronizerClient:
         self.chunk_bytes = 2 << 20
         self.heartbeat_interval_s = 1.0
         self.versions: dict[int, int] = {}
+        # (version, commit id) of each fragment as the coordinator last reported it.
+        self.published: dict[int, tuple[int, int]] = {}
         self.watermarks: dict[int, int] = {}
         self.outbox: dict[tuple[int, int], Contribution] = {}
         self.stats = OutboxStats()
@@ -455,7 +457,8 @@ class SynchronizerClient:
             values[chunk.offset:chunk.offset + chunk.count] = np.frombuffer(chunk.data, "<f4")
             received += chunk.count
         self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
-                                         merged_seq=header.merged_seq)])
+                                         merged_seq=header.merged_seq,
+                                         commit_id=header.commit_id)])
         return Pulled(header.fragment, header.version, values, header.merged_seq,
                       header.commit_id)
 
@@ -471,6 +474,7 @@ class SynchronizerClient:
         for status in statuses:
             self.versions[status.fragment] = max(self.versions.get(status.fragment, -1),
                                                  status.version)
+            self.published[status.fragment] = (status.version, status.commit_id)
             self.watermarks[status.fragment] = status.merged_seq
             for c in [c for c in self.outbox.values()
                       if c.fragment == status.fragment and c.seq <= status.merged_seq]:

@@ -77,6 +77,8 @@ class _FragmentState:
     # carry the same local progress when a merged version is slow to come).
     base: np.ndarray
     base_version: int
+    # Of the version applied last: tells it from the same number committed again.
+    base_commit_id: int = 0
     tokens: int = 0
     steps: int = 0
     since: float = field(default_factory=time.monotonic)
@@ -252,7 +254,8 @@ class FragmentSync:
             pulled = loaded[p]
             # The pulled array is never written in place, so it can be the base as it is.
             self.fragments.append(_FragmentState(base=pulled.values,
-                                                 base_version=pulled.version))
+                                                 base_version=pulled.version,
+                                                 base_commit_id=pulled.commit_id))
             self.applied_versions[p] = pulled.version
             if self.held is not None:
                 self.held.applied(p, pulled.version, pulled.commit_id, pulled.values)
@@ -338,6 +341,8 @@ class FragmentSync:
         for state in self.fragments:
             state.tokens += tokens
             state.steps += 1
+        for p, state in enumerate(self.fragments):
+            self._check_history(p, state)
         applied = [p for p, state in enumerate(self.fragments) if self._maybe_apply(p, state)]
         for p in due_fragments(self.local_step, self.settings.sync_every, len(self.fragments)):
             self._push(p)
@@ -424,6 +429,21 @@ class FragmentSync:
         self.client.events.emit("pull_fallback", learner=self.client.learner_id, fragment=p,
                                 step=self.local_step, base_version=state.base_version)
 
+    def _check_history(self, p: int, state: _FragmentState) -> None:
+        """The coordinator reports this fragment's version under another commit: it
+        lost the one applied here (a failover under async replication, a restored
+        state directory) and committed the number again. Take its version now
+        rather than train on from a history that is gone."""
+        version, commit_id = self.client.published.get(p, (-1, 0))
+        if (state.pending is not None or version != state.base_version
+                or 0 in (commit_id, state.base_commit_id) or commit_id == state.base_commit_id):
+            return
+        self.client.events.emit("version_lost", learner=self.client.learner_id, fragment=p,
+                                version=version, had_commit=f"{state.base_commit_id:x}",
+                                commit=f"{commit_id:x}")
+        state.apply_at, state.fell_back = self.local_step, True
+        state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, version - 1), self._loop)
+
     def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
         if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
             return False
@@ -443,13 +463,16 @@ class FragmentSync:
             self.client.events.emit("pull_failed", learner=self.client.learner_id,
                                     fragment=p, error=str(exc)[:200])
             return False
-        if pulled is None or (pulled.version <= state.base_version and not pulled.rewound):
+        if pulled is None or not (
+                pulled.version > state.base_version or pulled.rewound
+                or (pulled.version == state.base_version
+                    and pulled.commit_id not in (0, state.base_commit_id))):
             return False
         alpha = self.settings.alpha
         values = pulled.values if alpha == 0 else alpha * self.read(p) + (1 - alpha) * pulled.values
         self.write(p, values)
         state.base = pulled.values
-        state.base_version = pulled.version
+        state.base_version, state.base_commit_id = pulled.version, pulled.commit_id
         state.tokens = state.steps = 0
         state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
         self.applied_versions[p] = pulled.version
