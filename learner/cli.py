@@ -221,7 +221,8 @@ def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
         _on_signals(run)  # from here on a signal ends the run cleanly, between steps
         return 0
     for sig, handler in previous.items():  # exiting: a signal now only hurries that
-        signal.signal(sig, handler)
+        if handler is not None:  # None: one set outside Python, which cannot be restored
+            signal.signal(sig, handler)
     return code
 
 

@@ -97,7 +97,8 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class Retry:
-    """Exponential backoff with full jitter, bounded in total time."""
+    """Exponential backoff with full jitter, given up after `give_up_after_s` of
+    failing (counted from a call's first failure)."""
 
     initial_s: float = 0.1
     max_s: float = 2.0

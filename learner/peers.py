@@ -162,10 +162,8 @@ class HeldFragments:
 
     def pulled(self, fragment: int, version: int, commit_id: int, values: np.ndarray) -> None:
         with self._lock:
-            applied = self._applied.get(fragment)
-            pulled = self._pulled.get(fragment)
-            if ((applied is None or version > applied.version)
-                    and (pulled is None or version > pulled.version)):
+            if all(_supersedes(version, commit_id, held.get(fragment))
+                   for held in (self._applied, self._pulled)):
                 self._pulled[fragment] = Held(version, commit_id,
                                               np.ascontiguousarray(values))
 
@@ -202,6 +200,12 @@ class HeldFragments:
         with self._lock:
             return sorted((p, h.version, h.commit_id) for held in (self._applied, self._pulled)
                           for p, h in held.items())
+
+
+def _supersedes(version: int, commit_id: int, held: Held | None) -> bool:
+    """Newer than `held`, or its number committed again after it was lost."""
+    return held is None or version > held.version or (
+        version == held.version and commit_id != held.commit_id)
 
 
 # -- serving ----------------------------------------------------------------------------

@@ -88,6 +88,8 @@ class _FragmentState:
     pending: Future[Pulled | None] | None = None
     # The pull gave up waiting for the version holding the push (see _fall_back).
     fell_back: bool = False
+    # The pull under way is `_check_history`'s, not a push's own.
+    lost_pull: bool = False
 
 
 @dataclass(frozen=True)
@@ -341,11 +343,12 @@ class FragmentSync:
         for state in self.fragments:
             state.tokens += tokens
             state.steps += 1
-        for p, state in enumerate(self.fragments):
-            self._check_history(p, state)
         applied = [p for p, state in enumerate(self.fragments) if self._maybe_apply(p, state)]
         for p in due_fragments(self.local_step, self.settings.sync_every, len(self.fragments)):
             self._push(p)
+        # After the pushes: a fragment pushed just now has its own pull under way.
+        for p, state in enumerate(self.fragments):
+            self._check_history(p, state)
         return applied
 
     @property
@@ -372,7 +375,12 @@ class FragmentSync:
         state.since, state.blocked_at_since = now, self._blocked_s
         assert self._sends is not None
         self._loop.call_soon_threadsafe(self._enqueue, item)
+        if state.lost_pull and state.pending is not None:
+            # This push's own pull brings a version past the one committed again.
+            state.pending.cancel()
+            state.pending = None
         if state.pending is None:
+            state.lost_pull = False
             state.apply_at = self.local_step + self.settings.overlap_steps
             state.fell_back = False
             state.pending = asyncio.run_coroutine_threadsafe(
@@ -433,15 +441,18 @@ class FragmentSync:
         """The coordinator reports this fragment's version under another commit: it
         lost the one applied here (a failover under async replication, a restored
         state directory) and committed the number again. Take its version now
-        rather than train on from a history that is gone."""
+        rather than train on from a history that is gone. Not in lock-step: applied
+        just before a due push, it would leave that push empty, and the round that
+        needs it waiting; there every round's pull brings the new history anyway."""
         version, commit_id = self.client.published.get(p, (-1, 0))
-        if (state.pending is not None or version != state.base_version
+        if (self.settings.lockstep or state.pending is not None
+                or version != state.base_version
                 or 0 in (commit_id, state.base_commit_id) or commit_id == state.base_commit_id):
             return
         self.client.events.emit("version_lost", learner=self.client.learner_id, fragment=p,
                                 version=version, had_commit=f"{state.base_commit_id:x}",
                                 commit=f"{commit_id:x}")
-        state.apply_at, state.fell_back = self.local_step, True
+        state.apply_at, state.fell_back, state.lost_pull = self.local_step + 1, True, True
         state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, version - 1), self._loop)
 
     def _maybe_apply(self, p: int, state: _FragmentState) -> bool:

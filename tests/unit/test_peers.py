@@ -37,6 +37,14 @@ def test_a_version_is_served_only_under_the_commit_it_was_pulled_as() -> None:
     # Version 5 committed again (the coordinator lost versions) is another commit.
     assert held.get(0, 5, 51) is None
     assert held.get(0, 5, 50) is not None
+    # Pulled, the new commit is servable before it is applied; the same one is no news.
+    held.pulled(0, 5, 50, values(5))
+    held.pulled(0, 5, 51, values(-5))
+    assert held.versions() == [(0, 5, 50), (0, 5, 51)]
+    got = held.get(0, 5, 51)
+    assert got is not None and got[0] == -5
+    held.applied(0, 5, 51, values(-5))
+    assert held.versions() == [(0, 5, 51)]
 
 
 def test_held_arrays_are_the_runtimes_own_not_copies() -> None:
