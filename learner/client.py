@@ -351,7 +351,9 @@ class SynchronizerClient:
         try:
             ack = await self._call(lambda: self._push(header, c.delta, self.codec))
         except Refused as refused:
-            if refused.reason == "replayed" and "already merged" in refused.details:
+            if refused.reason == "not_leader":  # none led while it retried: none refused it
+                self._unsent(c, refused)
+            elif refused.reason == "replayed" and "already merged" in refused.details:
                 self._settle(c, merged=True)
             elif refused.reason == "replayed":
                 c.acknowledged = True  # the open round already holds it
@@ -359,9 +361,7 @@ class SynchronizerClient:
                 self._settle(c, merged=False, reason=refused.reason, detail=refused.details)
             return None
         except (grpc.RpcError, TimeoutError) as exc:
-            # Still in the outbox: pushed again once the coordinator is back.
-            self.events.emit("push_unsent", learner=self.learner_id, fragment=c.fragment,
-                             seq=c.seq, error=str(exc)[:200])
+            self._unsent(c, exc)
             return None
         finally:
             c.in_flight = False
@@ -371,6 +371,11 @@ class SynchronizerClient:
                          target=ack.target_version, weight=ack.weight,
                          staleness=ack.staleness)
         return int(ack.target_version)
+
+    def _unsent(self, c: Contribution, error: Exception) -> None:
+        """Still in the outbox: pushed again once a coordinator leads and answers."""
+        self.events.emit("push_unsent", learner=self.learner_id, fragment=c.fragment,
+                         seq=c.seq, error=str(error)[:200])
 
     async def _push(self, header: pb.PushHeader, values: np.ndarray,
                     codec: Codec) -> pb.PushResponse:

@@ -1,14 +1,18 @@
-"""How long a learner's calls keep retrying: measured from the first failure, so a
-long pull that fails late still gets its retries."""
+"""How long a learner's calls keep retrying (measured from the first failure, so a
+long pull that fails late still gets its retries), and what a push that gave up keeps."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from learner.client import Retry, SynchronizerClient
+from protos import ftsync_pb2 as pb
+from protos import ftsync_pb2_grpc as pb_grpc
 
 
 def unavailable() -> grpc.aio.AioRpcError:
@@ -48,3 +52,37 @@ def test_a_call_failing_for_longer_than_the_give_up_time_raises() -> None:
     with pytest.raises(grpc.aio.AioRpcError):
         asyncio.run(client(give_up_after_s=0.2)._retrying(always_down))
     assert attempts > 2
+
+
+class LeaderlessStandby(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
+    """A real gRPC server answering every push as a standby that knows no leader."""
+
+    async def PushFragment(self, request_iterator: Any,
+                           context: grpc.aio.ServicerContext[Any, Any]) -> pb.PushResponse:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "not_leader: this replica is a standby and knows no leader")
+        raise AssertionError("abort returned")
+
+
+def test_a_push_nobody_led_to_take_stays_in_the_outbox() -> None:
+    """Giving up on finding a leader is not a refusal of the contribution: it is
+    pushed again once one leads, as after any coordinator outage."""
+
+    async def scenario() -> SynchronizerClient:
+        server = grpc.aio.server()
+        pb_grpc.add_SynchronizerServicer_to_server(LeaderlessStandby(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            learner = SynchronizerClient(f"127.0.0.1:{port}", "l0", "layout", [4],
+                                         retry=Retry(initial_s=0.01, max_s=0.02,
+                                                     give_up_after_s=0.3))
+            assert await learner.push(0, np.ones(4, np.float32), base_version=0,
+                                      c_tokens=1, c_steps=1, local_step=1) is None
+            await learner.close()
+            return learner
+        finally:
+            await server.stop(None)
+
+    learner = asyncio.run(scenario())
+    assert len(learner.outbox) == 1 and learner.stats.dropped == {}
