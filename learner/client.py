@@ -184,7 +184,6 @@ class SynchronizerClient:
         self.run_id = ""
         self.chunk_bytes = 2 << 20
         self.heartbeat_interval_s = 1.0
-        self.versions: dict[int, int] = {}
         # (version, commit id) of each fragment as the coordinator last reported it.
         self.published: dict[int, tuple[int, int]] = {}
         self.watermarks: dict[int, int] = {}
@@ -248,6 +247,11 @@ class SynchronizerClient:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
+
+    @property
+    def versions(self) -> dict[int, int]:
+        """Each fragment's version as the coordinator last reported it."""
+        return {p: version for p, (version, _) in self.published.items()}
 
     @property
     def address(self) -> str:
@@ -478,8 +482,6 @@ class SynchronizerClient:
     def _observe(self, statuses: Iterable[pb.FragmentStatus]) -> None:
         """Learn versions and durable watermarks; settle merged contributions."""
         for status in statuses:
-            self.versions[status.fragment] = max(self.versions.get(status.fragment, -1),
-                                                 status.version)
             self.published[status.fragment] = (status.version, status.commit_id)
             self.watermarks[status.fragment] = status.merged_seq
             for c in [c for c in self.outbox.values()

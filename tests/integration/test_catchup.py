@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,22 @@ async def coordinator_values(daemon: Daemon, learner: Learner) -> dict[int, Pull
     return result
 
 
+def push_as_another_learner(daemon: Daemon, learner: Learner, fragments: Iterable[int],
+                            value: float = 0.01) -> None:
+    """Another learner of the run pushes one outer gradient, based on version 0, to
+    each of `fragments`."""
+    async def push() -> None:
+        pusher = SynchronizerClient(daemon.address, "pusher", learner.plan.hash,
+                                    learner.plan.numels)
+        await pusher.join()
+        for p in fragments:
+            await pusher.push(p, np.full(learner.plan.numels[p], value, dtype=np.float32),
+                              base_version=0, c_tokens=10, c_steps=1, local_step=1)
+        await pusher.close()
+
+    asyncio.run(push())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,15 +156,7 @@ def test_fragments_no_peer_holds_come_from_the_coordinator(
         assert a.peer_address is not None
         # a never steps: it holds version 0 of everything. Another learner moves
         # fragment 0 on to version 1, which a does not hold.
-        pusher = SynchronizerClient(daemon.address, "pusher", a.plan.hash, a.plan.numels)
-
-        async def push() -> None:
-            await pusher.join()
-            delta = np.full(a.plan.numels[0], 0.01, dtype=np.float32)
-            await pusher.push(0, delta, base_version=0, c_tokens=10, c_steps=1, local_step=1)
-            await pusher.close()
-
-        asyncio.run(push())
+        push_as_another_learner(daemon, a, [0])
         wait_until(lambda: published(daemon)[0] == 1, message="fragment 0 at version 1")
         dead = f"127.0.0.1:{free_port()}"
         model_b = mlp(seed=1)
@@ -193,17 +201,7 @@ def test_a_peer_holding_a_version_the_coordinator_lost_is_not_taken_for_its_new_
         shutil.copytree(backup, state)
         daemon.start()
         # a idles, holding the lost version 1; another learner's pushes commit a new one.
-        pusher = SynchronizerClient(daemon.address, "pusher", a.plan.hash, a.plan.numels)
-
-        async def push() -> None:
-            await pusher.join()
-            for p, numel in enumerate(a.plan.numels):
-                delta = np.full(numel, 0.01, dtype=np.float32)
-                await pusher.push(p, delta, base_version=0, c_tokens=10, c_steps=1,
-                                  local_step=1)
-            await pusher.close()
-
-        asyncio.run(push())
+        push_as_another_learner(daemon, a, range(len(a.plan.numels)))
         wait_until(lambda: min(published(daemon).values()) == 1,
                    message="version 1 of every fragment, committed again")
         assert holds_published(daemon, str(a.peer_address))  # by number, not by commit

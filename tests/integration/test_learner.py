@@ -22,6 +22,7 @@ from learner.client import SynchronizerClient
 from learner.fragments import FragmentView
 from learner.streaming import FragmentSync
 from tests.daemon import Daemon, wait_until
+from tests.integration.test_catchup import coordinator_values, push_as_another_learner
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:
@@ -304,15 +305,6 @@ def test_a_learner_whose_version_the_coordinator_lost_and_committed_again_takes_
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    async def coordinator_version(learner: Learner) -> tuple[int, int, np.ndarray]:
-        observer = SynchronizerClient(daemon.address, "observer", learner.plan.hash,
-                                      learner.plan.numels)
-        await observer.join()
-        pulled = await observer.pull(0, have_version=-1, wait_s=0)
-        await observer.close()
-        assert pulled is not None
-        return pulled.version, pulled.commit_id, pulled.values
-
     # One fragment, pushed at steps 8, 16, ...: steps 10 to 15 push nothing.
     with Learner(daemon.address, model, sync_every=8, fragments=1, overlap=1, device="cpu",
                  learner_id="behind", connect_timeout_s=30, event_log=str(log)) as learner:
@@ -325,34 +317,26 @@ def test_a_learner_whose_version_the_coordinator_lost_and_committed_again_takes_
             train_step(model, opt)
             learner.step(tokens=32)
             time.sleep(0.01)  # a step's compute, so that the round commits between steps
-        _, lost_commit, lost = asyncio.run(coordinator_version(learner))
+        lost = asyncio.run(coordinator_values(daemon, learner))[0]
         daemon.kill()
         shutil.rmtree(state)
         shutil.copytree(backup, state)
         daemon.start()
-        pusher = SynchronizerClient(daemon.address, "pusher", learner.plan.hash,
-                                    learner.plan.numels)
-
-        async def push() -> None:
-            await pusher.join()
-            await pusher.push(0, np.full(learner.plan.numels[0], 0.05, np.float32),
-                              base_version=0, c_tokens=10, c_steps=1, local_step=1)
-            await pusher.close()
-
-        asyncio.run(push())
+        push_as_another_learner(daemon, learner, [0], value=0.05)
         wait_until(lambda: daemon.status().fragments[0].version == 1, 10,
                    message="version 1 committed again")
-        version, commit, again = asyncio.run(coordinator_version(learner))
-        assert version == 1 and commit != lost_commit and not np.array_equal(again, lost)
-        wait_until(lambda: learner.client.published.get(0) == (1, commit), 10,
+        new = asyncio.run(coordinator_values(daemon, learner))[0]
+        assert new.version == 1 and new.commit_id != lost.commit_id
+        assert not np.array_equal(new.values, lost.values)
+        wait_until(lambda: learner.client.published.get(0) == (1, new.commit_id), 10,
                    message="a heartbeat reporting the new version 1")
-        while learner._sync.local_step < 15 and not np.array_equal(view.read(0), again):
+        while learner._sync.local_step < 15 and not np.array_equal(view.read(0), new.values):
             learner.step(tokens=32)  # no training: the model holds what was applied
-            time.sleep(0.01)
-        np.testing.assert_array_equal(view.read(0), again)
+            time.sleep(0.01)  # a step's compute, in which the pull of the new version lands
+        np.testing.assert_array_equal(view.read(0), new.values)
     lost_events = [json.loads(line) for line in log.read_text().splitlines()
                    if '"version_lost"' in line]
-    assert [(e["version"], e["commit"]) for e in lost_events] == [(1, f"{commit:x}")]
+    assert [(e["version"], e["commit"]) for e in lost_events] == [(1, f"{new.commit_id:x}")]
 
 
 def test_an_interrupt_that_comes_just_as_the_start_ends_still_leaves_the_run(
