@@ -70,23 +70,31 @@ class Lease:
 
 
 class StagingPool:
-    """A byte budget for fragment-sized staging buffers, shared by all pushes."""
+    """A byte budget for fragment-sized staging buffers, shared by all pushes.
+
+    Leases are given back without awaiting anything: a push cancelled while it
+    ends (its learner gone, the call cut) still returns its bytes and wakes
+    the pushes waiting for room."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.in_use = 0
         self._free: dict[int, list[np.ndarray]] = {}
-        self._room = asyncio.Condition()
+        self._waiting: set[asyncio.Future[None]] = set()
 
     @asynccontextmanager
     async def lease(self, numel: int) -> AsyncIterator[Lease]:
         """A float32 buffer of `numel` elements for one push; waits for room."""
         nbytes = 4 * numel
-        async with self._room:
-            # A fragment larger than the whole budget still gets in, alone.
-            await self._room.wait_for(
-                lambda: self.in_use == 0 or self.in_use + nbytes <= self.budget)
-            self.in_use += nbytes
+        # A fragment larger than the whole budget still gets in, alone.
+        while self.in_use and self.in_use + nbytes > self.budget:
+            room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.add(room)
+            try:
+                await room
+            finally:
+                self._waiting.discard(room)
+        self.in_use += nbytes
         lease = Lease(None)
         try:
             lease.buffer = self._take(numel)
@@ -94,9 +102,10 @@ class StagingPool:
         finally:
             if lease.buffer is not None:
                 self._free.setdefault(numel, []).append(lease.buffer)
-            async with self._room:
-                self.in_use -= nbytes
-                self._room.notify_all()
+            self.in_use -= nbytes
+            for room in self._waiting:
+                if not room.done():
+                    room.set_result(None)
 
     def _take(self, numel: int) -> np.ndarray:
         free = self._free.get(numel)
