@@ -100,10 +100,16 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                            context: Context) -> pb.PushResponse:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
-            malformed = Rejected(Reason.MALFORMED, "a push stream starts with a header message")
+            if not self.engine.token_accepted(bearer_token(context)):
+                # Refused at once: a caller without a learner's token neither waits
+                # here nor, by cancelling, counts as a learner's push cut short.
+                await self._abort(context, "PushFragment", "", Rejected(
+                    Reason.UNAUTHENTICATED, "bad or missing bearer token (and the push "
+                    "stream sent no header naming its learner)"))
             if first is None:
                 await self.engine.wait_out_cut(None)
-            await self._abort(context, "PushFragment", "", malformed)
+            await self._abort(context, "PushFragment", "", Rejected(
+                Reason.MALFORMED, "a push stream starts with a header message"))
         assert first is not None
         header = first.header
 

@@ -311,6 +311,16 @@ def test_bad_token_is_unauthenticated(start_daemon: StartDaemon) -> None:
             expect_rejected(daemon, partial(call, daemon, bad), unauthenticated,
                             Reason.UNAUTHENTICATED, "token", "'a'", metadata=GOOD_TOKEN,
                             case=f"{rpc}, {credentials}")
+        # A stream without a header names no learner: only its token is checked,
+        # and another learner's is some learner's.
+        if credentials != "another learner's":
+            expect_rejected(daemon, partial(send, daemon, [], metadata=bad), unauthenticated,
+                            Reason.UNAUTHENTICATED, "token", "no header",
+                            metadata=GOOD_TOKEN, case=f"header-less push, {credentials}")
+    for token in ("token-a", "token-b"):
+        expect_rejected(daemon, partial(send, daemon, [], metadata=bearer(token)),
+                        INVALID_ARGUMENT, Reason.MALFORMED, "starts with a header",
+                        metadata=GOOD_TOKEN, case=f"header-less push, {token}")
     contribute_and_commit(daemon, seq=2, metadata=GOOD_TOKEN)
     heartbeat(daemon, metadata=GOOD_TOKEN)
     assert pull(daemon, metadata=GOOD_TOKEN)[0].version == 1
