@@ -18,6 +18,9 @@ The baseline is a socket server in its own process sending the same bytes with
 `sendall` from one buffer; the benchmark receives them with `recv_into` into a freshly
 allocated buffer, as a catching-up learner must. Two raw transfers run before each
 catch-up and one after the last, so a change in the machine's load reaches both.
+Beside the ratio, after each catch-up, the same raw transfer is received by a fresh
+process that has imported torch and built a model of the same size first, as the
+catching-up learner has: what the bytes cost in the learner's memory situation.
 
 Six fresh learners catch up over the bulk transport (the default), then one over the
 gRPC stream transport and one from the coordinator alone, for comparison. The ratio
@@ -80,6 +83,30 @@ while True:
 """
 
 
+# A fresh process in the catching-up learner's situation: torch imported and a model
+# of the same size built (its memory written) before the timed receive into a fresh
+# buffer. Beside the ratio: the same transfer with the learner's memory costs.
+_RAW_FRESH_RECEIVER = r"""
+import socket, sys, time
+import numpy as np
+import torch
+port, numel = int(sys.argv[1]), int(sys.argv[2])
+model = torch.empty(numel).normal_()
+started = time.perf_counter()
+values = np.empty(numel, dtype=np.float32)
+view = values.data.cast("B")
+with socket.create_connection(("127.0.0.1", port)) as conn:
+    conn.sendall(b"s")
+    got = 0
+    while got < view.nbytes:
+        n = conn.recv_into(view[got:], view.nbytes - got)
+        if n == 0:
+            raise SystemExit("raw sender closed early")
+        got += n
+print(time.perf_counter() - started, flush=True)
+"""
+
+
 class RawSender:
     """A process that sends `numel` fp32 values to whoever connects and asks."""
 
@@ -104,6 +131,13 @@ class RawSender:
                     raise RuntimeError("raw sender closed early")
                 got += n
         return time.perf_counter() - started
+
+    def receive_in_fresh_process(self) -> float:
+        """Seconds to receive every byte in a new process that built a model first."""
+        result = subprocess.run([sys.executable, "-c", _RAW_FRESH_RECEIVER, str(self.port),
+                                 str(self.numel)], capture_output=True, text=True,
+                                timeout=300, check=True)
+        return float(result.stdout.strip())
 
     def close(self) -> None:
         with socket.create_connection(("127.0.0.1", self.port)) as conn:
@@ -180,6 +214,7 @@ def measure_catchup(params: int = 100_000_000, fragments: int = 4,
     size = size_args(params, fragments)
     raw = RawSender(numel)
     raw_runs: list[float] = []
+    fresh_raw_runs: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {"bulk": [], "grpc": [], "coordinator": []}
     try:
         raw.receive()  # warm-up
@@ -208,8 +243,10 @@ def measure_catchup(params: int = 100_000_000, fragments: int = 4,
                         raw_runs.append(raw.receive())
                     run = catch_up_once(daemon, f"late-{i}", size, extra)
                     runs[mode].append(run)
+                    fresh_raw_runs.append(raw.receive_in_fresh_process())
                     log(f"  {mode:>11}: catch-up {run['catch_up_s']:.3f} s from "
-                        f"{run['sources']} (raw socket {min(raw_runs[-RAW_PER_RUN:]):.3f} s); "
+                        f"{run['sources']} (raw socket {min(raw_runs[-RAW_PER_RUN:]):.3f} s, "
+                        f"in a fresh process {fresh_raw_runs[-1]:.3f} s); "
                         f"process start to first step {run['process_to_first_step_s']:.2f} s")
             finally:
                 if peer.poll() is None and peer.stdin is not None:
@@ -248,6 +285,11 @@ def measure_catchup(params: int = 100_000_000, fragments: int = 4,
         # The whole span from spawning the learner process to the end of its first step.
         "process_to_first_step_s": headline["process_to_first_step_s"],
         "process_to_first_step_ratio": headline["process_to_first_step_s"] / raw_s,
+        # The raw transfer in a fresh process that built the model first, as a
+        # catching-up learner is (best of one per catch-up), and the ratio against it.
+        "raw_fresh_process_s": min(fresh_raw_runs),
+        "ratio_to_fresh_process_raw": headline["catch_up_s"] / min(fresh_raw_runs),
+        "raw_fresh_process_runs_s": [round(r, 4) for r in fresh_raw_runs],
         "runs": runs,
         "raw_runs_s": [round(r, 4) for r in raw_runs],
         "load_average": round(os.getloadavg()[0], 2),
