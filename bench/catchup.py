@@ -87,24 +87,29 @@ while True:
 # of the same size built (its memory written) before the timed receive into a fresh
 # buffer. Beside the ratio: the same transfer with the learner's memory costs.
 _RAW_FRESH_RECEIVER = r"""
-import socket, sys, time
-import numpy as np
+import sys
 import torch
+from bench.catchup import receive_raw
 port, numel = int(sys.argv[1]), int(sys.argv[2])
 model = torch.empty(numel).normal_()
-started = time.perf_counter()
-values = np.empty(numel, dtype=np.float32)
-view = values.data.cast("B")
-with socket.create_connection(("127.0.0.1", port)) as conn:
-    conn.sendall(b"s")
-    got = 0
-    while got < view.nbytes:
-        n = conn.recv_into(view[got:], view.nbytes - got)
-        if n == 0:
-            raise SystemExit("raw sender closed early")
-        got += n
-print(time.perf_counter() - started, flush=True)
+print(receive_raw(port, numel), flush=True)
 """
+
+
+def receive_raw(port: int, numel: int) -> float:
+    """Seconds to receive `numel` fp32 values from the raw sender into a fresh buffer."""
+    started = time.perf_counter()
+    values = np.empty(numel, dtype=np.float32)
+    view = values.data.cast("B")
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"s")
+        got = 0
+        while got < view.nbytes:
+            n = conn.recv_into(view[got:], view.nbytes - got)
+            if n == 0:
+                raise RuntimeError("raw sender closed early")
+            got += n
+    return time.perf_counter() - started
 
 
 class RawSender:
@@ -118,24 +123,13 @@ class RawSender:
         self.port = int(self.process.stdout.readline())
 
     def receive(self) -> float:
-        """Seconds to receive every byte into a fresh buffer."""
-        started = time.perf_counter()
-        values = np.empty(self.numel, dtype=np.float32)
-        view = values.data.cast("B")
-        with socket.create_connection(("127.0.0.1", self.port)) as conn:
-            conn.sendall(b"s")
-            got = 0
-            while got < view.nbytes:
-                n = conn.recv_into(view[got:], view.nbytes - got)
-                if n == 0:
-                    raise RuntimeError("raw sender closed early")
-                got += n
-        return time.perf_counter() - started
+        """Seconds to receive every byte into a fresh buffer, in this process."""
+        return receive_raw(self.port, self.numel)
 
     def receive_in_fresh_process(self) -> float:
         """Seconds to receive every byte in a new process that built a model first."""
         result = subprocess.run([sys.executable, "-c", _RAW_FRESH_RECEIVER, str(self.port),
-                                 str(self.numel)], capture_output=True, text=True,
+                                 str(self.numel)], cwd=ROOT, capture_output=True, text=True,
                                 timeout=300, check=True)
         return float(result.stdout.strip())
 
