@@ -72,29 +72,34 @@ class Lease:
 class StagingPool:
     """A byte budget for fragment-sized staging buffers, shared by all pushes.
 
-    Leases are given back without awaiting anything: a push cancelled while it
-    ends (its learner gone, the call cut) still returns its bytes and wakes
-    the pushes waiting for room."""
+    Room goes to waiting pushes in arrival order (a push that arrives while
+    others wait queues behind them, so a large fragment is not starved by a
+    stream of small ones). Nothing on the way out awaits, so a push cancelled
+    as it ends cannot keep its bytes or fail to pass the room on."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.in_use = 0
         self._free: dict[int, list[np.ndarray]] = {}
-        self._waiting: set[asyncio.Future[None]] = set()
+        # Waiting pushes in arrival order (dicts keep it): each one's grant and bytes.
+        self._waiting: dict[asyncio.Future[None], int] = {}
 
     @asynccontextmanager
     async def lease(self, numel: int) -> AsyncIterator[Lease]:
         """A float32 buffer of `numel` elements for one push; waits for room."""
         nbytes = 4 * numel
-        # A fragment larger than the whole budget still gets in, alone.
-        while self.in_use and self.in_use + nbytes > self.budget:
-            room: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.add(room)
+        if self._waiting or not self._fits(nbytes):
+            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting[granted] = nbytes
             try:
-                await room
-            finally:
-                self._waiting.discard(room)
-        self.in_use += nbytes
+                await granted
+            except asyncio.CancelledError:
+                if self._waiting.pop(granted, None) is None and not granted.cancelled():
+                    self.in_use -= nbytes  # granted just as it was cancelled: pass it on
+                self._grant()  # those queued behind it may fit now
+                raise
+        else:
+            self.in_use += nbytes
         lease = Lease(None)
         try:
             lease.buffer = self._take(numel)
@@ -103,9 +108,22 @@ class StagingPool:
             if lease.buffer is not None:
                 self._free.setdefault(numel, []).append(lease.buffer)
             self.in_use -= nbytes
-            for room in self._waiting:
-                if not room.done():
-                    room.set_result(None)
+            self._grant()
+
+    def _fits(self, nbytes: int) -> bool:
+        # A fragment larger than the whole budget still gets in, alone.
+        return self.in_use == 0 or self.in_use + nbytes <= self.budget
+
+    def _grant(self) -> None:
+        """Lease room to the waiting pushes, first come first, while the first fits."""
+        while self._waiting:
+            waiter, nbytes = next(iter(self._waiting.items()))
+            if not waiter.cancelled() and not self._fits(nbytes):
+                return
+            del self._waiting[waiter]
+            if not waiter.cancelled():
+                self.in_use += nbytes
+                waiter.set_result(None)
 
     def _take(self, numel: int) -> np.ndarray:
         free = self._free.get(numel)
