@@ -194,6 +194,10 @@ class CoordinatorConfig:
                     isinstance(v, str) for v in table.values()):
                 raise ConfigError(f"auth.tokens_file {path}: needs a [tokens] table of strings")
             merged.update(table)
+        empty = sorted(learner for learner, token in merged.items() if not token)
+        if empty:
+            raise ConfigError(f"auth.tokens: the token of {', '.join(map(repr, empty))} is "
+                              f"empty, which a learner sending no token would match")
         return merged
 
 

@@ -35,7 +35,8 @@ def start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (["--set", "limits.norm_bound=nan"], ["limits.norm_bound", "nan"]),
     (["--set", "heartbeat_interval_ms=5000000000"], ["heartbeat_interval_ms", "5000000000"]),
     (["--set", "auth.tokens_file=missing.toml"], ["auth.tokens_file", "missing.toml"]),
-], ids=["port-range", "metrics-port", "nan-bound", "heartbeat", "tokens-file"])
+    (["--set", "auth.tokens.a="], ["auth.tokens", "'a'", "empty"]),
+], ids=["port-range", "metrics-port", "nan-bound", "heartbeat", "tokens-file", "empty-token"])
 def test_a_bad_setting_is_named_in_one_line(tmp_path: Path, args: list[str],
                                              needles: list[str]) -> None:
     result = start(tmp_path, "--listen", "127.0.0.1:0", *args)  # a later --listen wins

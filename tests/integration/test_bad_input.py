@@ -314,9 +314,12 @@ def test_bad_token_is_unauthenticated(start_daemon: StartDaemon) -> None:
         # A stream without a header names no learner: only its token is checked,
         # and another learner's is some learner's.
         if credentials != "another learner's":
-            expect_rejected(daemon, partial(send, daemon, [], metadata=bad), unauthenticated,
-                            Reason.UNAUTHENTICATED, "token", "no header",
-                            metadata=GOOD_TOKEN, case=f"header-less push, {credentials}")
+            chunk_first = [pb.PushMessage(chunk=fp32_chunk(GRADIENT, 0, NUMEL))]
+            for case, messages in (("empty", []), ("chunk first", chunk_first)):
+                expect_rejected(daemon, partial(send, daemon, messages, metadata=bad),
+                                unauthenticated, Reason.UNAUTHENTICATED, "token", "no header",
+                                metadata=GOOD_TOKEN,
+                                case=f"header-less push ({case}), {credentials}")
     for token in ("token-a", "token-b"):
         expect_rejected(daemon, partial(send, daemon, [], metadata=bearer(token)),
                         INVALID_ARGUMENT, Reason.MALFORMED, "starts with a header",
@@ -324,6 +327,30 @@ def test_bad_token_is_unauthenticated(start_daemon: StartDaemon) -> None:
     contribute_and_commit(daemon, seq=2, metadata=GOOD_TOKEN)
     heartbeat(daemon, metadata=GOOD_TOKEN)
     assert pull(daemon, metadata=GOOD_TOKEN)[0].version == 1
+
+
+def test_a_header_less_push_cut_off_without_a_token_is_no_learners_cut(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    """Cancelled before sending anything, by a caller holding no learner's token:
+    refused as unauthenticated, not waited out and counted as a push cut short."""
+    log = tmp_path / "events.jsonl"
+    daemon = start_daemon(*FAST, *TOKENS, "--event-log", str(log))
+    before = rejections(daemon)
+    cancelled = threading.Event()
+
+    def nothing_yet() -> Iterator[pb.PushMessage]:
+        cancelled.wait(RPC_TIMEOUT)
+        yield from ()
+
+    channel, synchronizer = stub(daemon)
+    with channel:
+        call = synchronizer.PushFragment.future(nothing_yet(), metadata=bearer("nobody's"))
+        time.sleep(0.3)  # the daemon's handler takes the call up
+        call.cancel()
+    cancelled.set()
+    wait_until(lambda: rejections(daemon)["unauthenticated"] == before["unauthenticated"] + 1,
+               timeout=10, message="the unauthenticated header-less push refused")
+    assert '"push_cut"' not in log.read_text()
 
 
 def test_learner_without_a_configured_token_is_unauthenticated(

@@ -336,6 +336,16 @@ def test_missing_tokens_file_raises_config_error(tmp_path: Path) -> None:
         config.tokens()
 
 
+def test_an_empty_token_is_refused_wherever_it_is_configured(tmp_path: Path) -> None:
+    inline = load(CoordinatorConfig, None, {"auth.tokens.alice": ""})
+    tokens = write(tmp_path, '[tokens]\ndave = ""\ncarol = "c"\n', "tok.toml")
+    from_file = load(CoordinatorConfig, None, {"auth.tokens_file": str(tokens)})
+    for config, learner in ((inline, "'alice'"), (from_file, "'dave'")):
+        with pytest.raises(ConfigError, match=r"auth\.tokens") as refused:
+            config.tokens()
+        assert learner in str(refused.value) and "empty" in str(refused.value)
+
+
 # -- describe ----------------------------------------------------------------------------------
 
 
