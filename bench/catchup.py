@@ -79,7 +79,10 @@ while True:
     with conn:
         if conn.recv(1) != b"s":
             break
-        conn.sendall(data.data.cast("B"))
+        try:
+            conn.sendall(data.data.cast("B"))
+        except OSError:  # a receiver that died: the next one still gets served
+            pass
 """
 
 
@@ -130,7 +133,10 @@ class RawSender:
         """Seconds to receive every byte in a new process that built a model first."""
         result = subprocess.run([sys.executable, "-c", _RAW_FRESH_RECEIVER, str(self.port),
                                  str(self.numel)], cwd=ROOT, capture_output=True, text=True,
-                                timeout=300, check=True)
+                                timeout=300, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"fresh-process raw receiver failed ({result.returncode}):\n"
+                               f"{result.stderr[-3000:]}")
         return float(result.stdout.strip())
 
     def close(self) -> None:
@@ -237,6 +243,7 @@ def measure_catchup(params: int = 100_000_000, fragments: int = 4,
                         raw_runs.append(raw.receive())
                     run = catch_up_once(daemon, f"late-{i}", size, extra)
                     runs[mode].append(run)
+                    time.sleep(SETTLE_S)  # as before the other raw transfers
                     fresh_raw_runs.append(raw.receive_in_fresh_process())
                     log(f"  {mode:>11}: catch-up {run['catch_up_s']:.3f} s from "
                         f"{run['sources']} (raw socket {min(raw_runs[-RAW_PER_RUN:]):.3f} s, "
