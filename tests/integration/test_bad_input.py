@@ -113,6 +113,12 @@ def send(daemon: Daemon, messages: Iterable[pb.PushMessage],
         return response
 
 
+def silent_until(cancelled: threading.Event) -> Iterator[pb.PushMessage]:
+    """A push stream that sends nothing, ending when its call has been cancelled."""
+    cancelled.wait(RPC_TIMEOUT)
+    yield from ()
+
+
 def push(daemon: Daemon, values: np.ndarray | None = None, *,
          chunks: Iterable[pb.Chunk] | None = None, metadata: Metadata = (),
          **fields: Any) -> pb.PushResponse:
@@ -337,14 +343,10 @@ def test_a_header_less_push_cut_off_without_a_token_is_no_learners_cut(
     daemon = start_daemon(*FAST, *TOKENS, "--event-log", str(log))
     before = rejections(daemon)
     cancelled = threading.Event()
-
-    def nothing_yet() -> Iterator[pb.PushMessage]:
-        cancelled.wait(RPC_TIMEOUT)
-        yield from ()
-
     channel, synchronizer = stub(daemon)
     with channel:
-        call = synchronizer.PushFragment.future(nothing_yet(), metadata=bearer("nobody's"))
+        call = synchronizer.PushFragment.future(silent_until(cancelled),
+                                                metadata=bearer("nobody's"))
         time.sleep(0.3)  # the daemon's handler takes the call up
         call.cancel()
     cancelled.set()
@@ -736,15 +738,11 @@ def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
         sent.set()
         cancelled.wait(RPC_TIMEOUT)
 
-    def nothing_yet() -> Iterator[pb.PushMessage]:
-        cancelled.wait(RPC_TIMEOUT)
-        yield from ()
-
     channel, synchronizer = stub(daemon)
     with channel:
         call = synchronizer.PushFragment.future(cut_off())
         assert sent.wait(RPC_TIMEOUT)
-        headless = synchronizer.PushFragment.future(nothing_yet())
+        headless = synchronizer.PushFragment.future(silent_until(cancelled))
         time.sleep(0.3)  # the daemon's handlers take both calls up
         assert not call.done() and not headless.done()  # each waits for the rest
         call.cancel()

@@ -28,6 +28,8 @@ async def _hold(pool: StagingPool, numel: int, held: asyncio.Event,
 
 
 async def _settle() -> None:
+    """Let every ready task run to its next wait: asyncio runs them in turn, each
+    new push reaching its lease (or its place in the queue) within a turn or two."""
     for _ in range(10):
         await asyncio.sleep(0)
 
