@@ -182,6 +182,10 @@ class SynchronizerClient:
         # When each replica last failed to answer (loop time).
         self._failed_at: dict[str, float] = {}
         self.run_id = ""
+        # A Join once sent may have been taken even if its reply never came (the call
+        # cancelled or timed out): from then until a Leave, this learner may be a
+        # member of the run, and one that stops must say Leave.
+        self.may_be_member = False
         self.chunk_bytes = 2 << 20
         self.heartbeat_interval_s = 1.0
         # (version, commit id) of each fragment as the coordinator last reported it.
@@ -205,6 +209,7 @@ class SynchronizerClient:
             layout=pb.Layout(hash=self.layout_hash, fragments=[
                 pb.FragmentSpec(fragment=i, numel=n) for i, n in enumerate(self.numels)]))
         async def join_once() -> pb.JoinResponse:
+            self.may_be_member = True
             reply: pb.JoinResponse = await self._stub.Join(request, metadata=self._metadata,
                                                            timeout=10)
             self._check_epoch(reply.epoch)
@@ -238,6 +243,7 @@ class SynchronizerClient:
         # From here on a refusal as unknown must not join again (a pull or heartbeat
         # still under way would otherwise bring the learner back after it left).
         self._left = True
+        self.may_be_member = False
         # Leaving a coordinator that is gone is nothing to report.
         with contextlib.suppress(grpc.RpcError):
             await self._stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, reason=reason),

@@ -403,8 +403,8 @@ class _Rounds:
                 beating.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beating
-            if self.client.run_id:
-                # Joined: a learner that is gone must not hold the others' rounds.
+            if self.client.may_be_member:
+                # A learner that is gone must not hold the others' rounds.
                 await self.client.leave(reason)
             await self.client.close()
 

@@ -176,8 +176,8 @@ class FragmentSync:
     def start(self, timeout: float = 120.0) -> None:
         """Join, agree on the initial values with the other learners, start the loop.
         If that fails, what it started is stopped before the error is raised: it
-        leaves the run if it had joined, closes its channels and peer server, and
-        ends the loop and its thread."""
+        leaves the run if it may have joined (a Join sent, even one whose reply never
+        came), closes its channels and peer server, and ends the loop and its thread."""
         self._thread.start()
         try:
             # The loop's own deadline comes first, so that a start that runs out of
@@ -200,7 +200,7 @@ class FragmentSync:
         try:
             await asyncio.wait_for(self._start(), timeout)
         except BaseException:
-            if self.client.run_id:  # joined: say so now rather than time out
+            if self.client.may_be_member:  # say so now rather than time out
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.client.leave("start failed"), 5)
             if self._peer_server is not None:

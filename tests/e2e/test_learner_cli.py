@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chaos.proxy import ThreadedProxy
 from tests.daemon import Daemon, wait_until
 
 
@@ -120,16 +121,37 @@ def test_sigterm_after_the_join_while_catching_up_leaves_the_run(
             [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--task",
              "synthetic", "--learner-id", "late", "--peers", peer],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert_sigterm_after_the_join_leaves(process, daemon, events, "late")
 
-        def coordinator_events(kind: str) -> list[dict[str, object]]:
-            lines = [json.loads(e) for e in events.read_text().splitlines()]
-            return [e for e in lines if e["kind"] == kind and e.get("learner") == "late"]
 
-        wait_until(lambda: coordinator_events("join"), timeout=60, message="the join")
-        process.send_signal(signal.SIGTERM)  # its catch-up waits on the silent peer
-        _, err = process.communicate(timeout=30)
+def test_sigterm_while_the_joins_reply_is_on_its_way_leaves_the_run(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """The coordinator took the Join but its reply had not come: the learner cannot
+    know it joined, and says Leave all the same."""
+    events = tmp_path / "coordinator.jsonl"
+    daemon = start_daemon("--event-log", str(events))
+    with ThreadedProxy(daemon.address) as proxy:
+        proxy.set_latency(2000)  # each way: the reply comes 2 s after the join is taken
+        process = subprocess.Popen(
+            [sys.executable, "-m", "learner", "--coordinator", proxy.address, "--task",
+             "synthetic", "--learner-id", "distant"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert_sigterm_after_the_join_leaves(process, daemon, events, "distant")
+
+
+def assert_sigterm_after_the_join_leaves(process: subprocess.Popen[str], daemon: Daemon,
+                                         events: Path, learner_id: str) -> None:
+    """SIGTERM `process` once the coordinator logs its join: it exits as interrupted
+    while joining, and the coordinator logs its Leave and counts it not live."""
+    def coordinator_events(kind: str) -> list[dict[str, object]]:
+        lines = [json.loads(e) for e in events.read_text().splitlines()]
+        return [e for e in lines if e["kind"] == kind and e.get("learner") == learner_id]
+
+    wait_until(lambda: coordinator_events("join"), timeout=60, message="the join")
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "interrupted (SIGTERM) while joining" in err and "Traceback" not in err
     wait_until(lambda: coordinator_events("leave"), timeout=10, message="the Leave")
     assert not any(learner.live for learner in daemon.status().learners
-                   if learner.learner_id == "late")
+                   if learner.learner_id == learner_id)
