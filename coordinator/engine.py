@@ -435,7 +435,7 @@ class Engine:
         """Receive the contribution into a staging buffer and fold it into the round
         (or make it the fragment's version 0)."""
         policy, store, p = self._policy(), self._store(), header.fragment
-        async with store.staging.lease(store.numel(p)) as lease:
+        async with store.staging.lease(header.learner_id, store.numel(p)) as lease:
             assert lease.buffer is not None
             with self._counting_cuts(header):
                 norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,

@@ -72,34 +72,44 @@ class Lease:
 class StagingPool:
     """A byte budget for fragment-sized staging buffers, shared by all pushes.
 
-    Room goes to waiting pushes in arrival order (a push that arrives while
-    others wait queues behind them, so a large fragment is not starved by a
-    stream of small ones). Nothing on the way out awaits, so a push cancelled
-    as it ends cannot keep its bytes or fail to pass the room on."""
+    Room goes first to the waiting push whose learner holds the least staging,
+    and among those in arrival order. So a learner with a push in staging waits
+    behind other learners' first pushes, and no learner gets room ahead of a
+    waiting one that holds less: one learner pushing many fragments at once (or
+    one whose pushes are stuck) cannot take the budget from the rest as it frees,
+    and a large fragment is not starved by a stream of small ones. Nothing on
+    the way out awaits, so a push cancelled as it ends cannot keep its bytes or
+    fail to pass the room on."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.in_use = 0
         self._free: dict[int, list[np.ndarray]] = {}
-        # Waiting pushes in arrival order (dicts keep it): each one's grant and bytes.
-        self._waiting: dict[asyncio.Future[None], int] = {}
+        # Bytes each learner's leases hold now; learners holding none are absent.
+        self._held: dict[str, int] = {}
+        # Waiting pushes in arrival order (dicts keep it): each one's grant, learner
+        # and bytes.
+        self._waiting: dict[asyncio.Future[None], tuple[str, int]] = {}
+
+    def held(self, learner: str) -> int:
+        """Bytes of staging `learner`'s pushes hold now."""
+        return self._held.get(learner, 0)
 
     @asynccontextmanager
-    async def lease(self, numel: int) -> AsyncIterator[Lease]:
-        """A float32 buffer of `numel` elements for one push; waits for room."""
+    async def lease(self, learner: str, numel: int) -> AsyncIterator[Lease]:
+        """A float32 buffer of `numel` elements for one of `learner`'s pushes;
+        waits for room and for its turn."""
         nbytes = 4 * numel
-        if self._waiting or not self._fits(nbytes):
-            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting[granted] = nbytes
-            try:
-                await granted
-            except asyncio.CancelledError:
-                if self._waiting.pop(granted, None) is None and not granted.cancelled():
-                    self.in_use -= nbytes  # granted just as it was cancelled: pass it on
-                self._grant()  # those queued behind it may fit now
-                raise
-        else:
-            self.in_use += nbytes
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[granted] = (learner, nbytes)
+        self._grant()  # at once, without a suspension, when it is next and fits
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if self._waiting.pop(granted, None) is None and not granted.cancelled():
+                self._release(learner, nbytes)  # granted just as it was cancelled
+            self._grant()  # those queued behind it may fit now
+            raise
         lease = Lease(None)
         try:
             lease.buffer = self._take(numel)
@@ -107,23 +117,38 @@ class StagingPool:
         finally:
             if lease.buffer is not None:
                 self._free.setdefault(numel, []).append(lease.buffer)
-            self.in_use -= nbytes
+            self._release(learner, nbytes)
             self._grant()
 
     def _fits(self, nbytes: int) -> bool:
         # A fragment larger than the whole budget still gets in, alone.
         return self.in_use == 0 or self.in_use + nbytes <= self.budget
 
+    def _hold(self, learner: str, nbytes: int) -> None:
+        self.in_use += nbytes
+        self._held[learner] = self._held.get(learner, 0) + nbytes
+
+    def _release(self, learner: str, nbytes: int) -> None:
+        self.in_use -= nbytes
+        left = self._held.pop(learner) - nbytes
+        if left:
+            self._held[learner] = left
+
     def _grant(self) -> None:
-        """Lease room to the waiting pushes, first come first, while the first fits."""
+        """Lease room to waiting pushes, the next one first, while the next fits."""
         while self._waiting:
-            waiter, nbytes = next(iter(self._waiting.items()))
-            if not waiter.cancelled() and not self._fits(nbytes):
+            for waiter in [w for w in self._waiting if w.cancelled()]:
+                del self._waiting[waiter]  # its task has yet to run and leave the queue
+            if not self._waiting:
+                return
+            # min() keeps the first of equals: arrival order among equal holders.
+            waiter = min(self._waiting, key=lambda w: self.held(self._waiting[w][0]))
+            learner, nbytes = self._waiting[waiter]
+            if not self._fits(nbytes):
                 return
             del self._waiting[waiter]
-            if not waiter.cancelled():
-                self.in_use += nbytes
-                waiter.set_result(None)
+            self._hold(learner, nbytes)
+            waiter.set_result(None)
 
     def _take(self, numel: int) -> np.ndarray:
         free = self._free.get(numel)

@@ -1,15 +1,18 @@
 """The coordinator's staging pool: a byte budget shared by concurrent pushes.
-Room goes in arrival order, and every lease gives its bytes back and passes
-the room on, however its push ends."""
+Room goes first to the learner holding the least of it, then in arrival order,
+and every lease gives its bytes back and passes the room on, however its push
+ends."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 
 from coordinator.store import StagingPool
 
 BUDGET = 100  # elements
+_LEARNERS = itertools.count()
 
 
 def _pool() -> StagingPool:
@@ -18,8 +21,10 @@ def _pool() -> StagingPool:
 
 async def _hold(pool: StagingPool, numel: int, held: asyncio.Event,
                 release: asyncio.Event | None = None, order: list[str] | None = None,
-                name: str = "") -> None:
-    async with pool.lease(numel) as lease:
+                name: str = "", learner: str = "") -> None:
+    """One push: a lease of `numel` elements for `learner` (by default a learner of
+    its own), held until `release` is set; it appends `name` to `order` once in."""
+    async with pool.lease(learner or f"learner {next(_LEARNERS)}", numel) as lease:
         assert lease.buffer is not None and lease.buffer.size == numel
         if order is not None:
             order.append(name)
@@ -114,7 +119,7 @@ def test_a_push_cancelled_while_waiting_takes_nothing_and_unblocks_those_behind(
 def test_a_push_granted_room_and_cancelled_before_it_runs_passes_the_room_on() -> None:
     async def scenario() -> None:
         pool = _pool()
-        first = pool.lease(BUDGET)
+        first = pool.lease("first", BUDGET)
         await first.__aenter__()
         granted_held, next_held = asyncio.Event(), asyncio.Event()
         granted = asyncio.create_task(_hold(pool, BUDGET, granted_held))
@@ -152,7 +157,7 @@ def test_a_lease_ends_and_grants_the_next_without_giving_the_loop_a_turn() -> No
         counter = asyncio.create_task(count_turns())
         waiter: asyncio.Task[None] | None = None
         with contextlib.suppress(ValueError):
-            async with pool.lease(BUDGET):
+            async with pool.lease("cut", BUDGET):
                 waiter = asyncio.create_task(_hold(pool, BUDGET, waiter_held))
                 await _settle()  # queued behind this lease
                 before = turns
@@ -165,5 +170,102 @@ def test_a_lease_ends_and_grants_the_next_without_giving_the_loop_a_turn() -> No
             task.cancel()
         await asyncio.gather(waiter, counter, return_exceptions=True)
         assert pool.in_use == 0
+
+    asyncio.run(scenario())
+
+
+class _Pushes:
+    """Named pushes of half the budget each, by the learner their name starts with
+    ("a1" is learner a's), each held until `release(name)`."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self.order: list[str] = []
+        self._held: dict[str, asyncio.Event] = {}
+        self._releases: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, *names: str) -> None:
+        """Start each push in turn, each reaching its lease or its place in the queue."""
+        for name in names:
+            self._held[name], self._releases[name] = asyncio.Event(), asyncio.Event()
+            self._tasks.append(asyncio.create_task(_hold(
+                self.pool, BUDGET // 2, self._held[name], self._releases[name], self.order,
+                name, learner=name[0])))
+            await _settle()
+
+    async def release(self, name: str) -> None:
+        self._releases[name].set()
+        await _settle()
+
+    async def finish(self) -> None:
+        for release in self._releases.values():
+            release.set()
+        await asyncio.gather(*self._tasks)
+        assert self.pool.in_use == 0
+        assert all(self.pool.held(name[0]) == 0 for name in self._held)
+
+
+def test_a_learner_with_a_push_in_staging_waits_behind_other_learners_first_pushes() -> None:
+    """a's second and third pushes came first, but a already holds staging: c's and
+    d's first pushes, arriving later, get the room that frees before them."""
+    async def scenario() -> None:
+        pushes = _Pushes(_pool())
+        await pushes.start("a1", "b1", "a2", "a3", "c1", "d1")
+        assert pushes.order == ["a1", "b1"]  # the pool is full
+        assert pushes.pool.held("a") == 4 * BUDGET // 2
+        await pushes.release("b1")
+        assert pushes.order == ["a1", "b1", "c1"]
+        await pushes.release("c1")
+        assert pushes.order == ["a1", "b1", "c1", "d1"]
+        await pushes.release("d1")  # only a waits now
+        assert pushes.order == ["a1", "b1", "c1", "d1", "a2"]
+        await pushes.release("a1")
+        assert pushes.order == ["a1", "b1", "c1", "d1", "a2", "a3"]
+        await pushes.finish()
+
+    asyncio.run(scenario())
+
+
+def test_room_freed_alternates_between_a_learner_pushing_many_and_one_waiting() -> None:
+    """a pushes four fragments at once into a pool that takes two; once b waits
+    too, freed room alternates between them instead of going to a's queue first."""
+    async def scenario() -> None:
+        pushes = _Pushes(_pool())
+        await pushes.start("a1", "a2", "a3", "a4", "b1", "b2")
+        assert pushes.order == ["a1", "a2"]  # nobody else waited: a may take it all
+        for name, next_in in (("a1", "b1"), ("a2", "a3"), ("b1", "b2"), ("a3", "a4")):
+            await pushes.release(name)
+            assert pushes.order[-1] == next_in, pushes.order
+            assert abs(pushes.pool.held("a") - pushes.pool.held("b")) <= 4 * BUDGET // 2
+        assert pushes.order == ["a1", "a2", "b1", "a3", "b2", "a4"]
+        await pushes.finish()
+
+    asyncio.run(scenario())
+
+
+def test_a_first_push_that_fits_is_let_in_past_one_waiting_for_more_room() -> None:
+    """a's second push waits for room it needs; b's first needs less, fits, and
+    holds less than a does, so it goes in at once rather than queueing behind."""
+    async def scenario() -> None:
+        pool = _pool()
+        a_held, release_a = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(_hold(pool, 60, a_held, release_a, learner="a"))
+        await a_held.wait()
+        order: list[str] = []
+        second = asyncio.create_task(_hold(pool, 60, asyncio.Event(), None, order, "a2",
+                                           learner="a"))
+        await _settle()
+        b_held, release_b = asyncio.Event(), asyncio.Event()
+        b = asyncio.create_task(_hold(pool, 30, b_held, release_b, order, "b1", learner="b"))
+        await asyncio.wait_for(b_held.wait(), 5)
+        assert order == ["b1"] and pool.in_use == 4 * (60 + 30)
+        release_a.set()  # now a holds nothing, and its waiting push fits
+        await _settle()
+        assert order == ["b1", "a2"]
+        release_b.set()
+        second.cancel()
+        await asyncio.gather(first, second, b, return_exceptions=True)
+        assert pool.in_use == 0 and pool.held("a") == pool.held("b") == 0
 
     asyncio.run(scenario())
