@@ -57,6 +57,10 @@ class LimitsConfig:
     # Bytes of fragment staging shared by concurrent pushes; 0: twice the
     # largest fragment. Pushes beyond it wait, so memory stays flat.
     staging_bytes: int = 0
+    # Seconds a push stream may send nothing (no chunk) before it is cut and
+    # its staging passed on: a stuck learner must not hold it for ever. Raise
+    # it where one chunk takes longer than this to arrive.
+    push_idle_s: float = 30.0
     # Parameters a run may have; 0: as many as fit in this machine's memory at
     # about 12 bytes each (parameters, momentum, one open round's sum).
     max_params: int = 0
@@ -71,6 +75,9 @@ class LimitsConfig:
                              f"(got {self.chunk_bytes})")
         if self.staging_bytes < 0:
             raise ValueError(f"limits.staging_bytes must be >= 0 (got {self.staging_bytes})")
+        if not 0 < self.push_idle_s < math.inf:
+            raise ValueError(f"limits.push_idle_s must be > 0 and finite "
+                             f"(got {self.push_idle_s})")
 
 
 @dataclass(frozen=True)

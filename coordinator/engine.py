@@ -34,7 +34,7 @@ import numpy as np
 
 from coordinator.config import CoordinatorConfig
 from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
-from coordinator.errors import NotLeader, Reason, Rejected
+from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite, norm_sq
 from coordinator.metrics import Metrics
@@ -421,13 +421,16 @@ class Engine:
         try:
             yield
         except asyncio.CancelledError:
-            self.metrics.pushes_cut.add(1)
-            if header is None:  # cut before its header arrived
-                self.events.emit("push_cut")
-            else:
-                self.events.emit("push_cut", learner=header.learner_id,
-                                 fragment=header.fragment, seq=header.seq)
+            self._count_cut(header)
             raise
+
+    def _count_cut(self, header: pb.PushHeader | None, **why: object) -> None:
+        self.metrics.pushes_cut.add(1)
+        if header is None:  # cut before its header arrived
+            self.events.emit("push_cut", **why)
+        else:
+            self.events.emit("push_cut", learner=header.learner_id,
+                             fragment=header.fragment, seq=header.seq, **why)
 
     async def _fold_in(self, header: pb.PushHeader, codec: Codec,
                        chunks: AsyncIterator[pb.PushMessage], offer: Offer,
@@ -435,8 +438,11 @@ class Engine:
         """Receive the contribution into a staging buffer and fold it into the round
         (or make it the fragment's version 0)."""
         policy, store, p = self._policy(), self._store(), header.fragment
+        asked_at = self.clock()
         async with store.staging.lease(header.learner_id, store.numel(p)) as lease:
             assert lease.buffer is not None
+            self.events.emit("push_staged", learner=header.learner_id, fragment=p,
+                             seq=header.seq, waited_s=round(self.clock() - asked_at, 4))
             with self._counting_cuts(header):
                 norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,
                                                    prescale)
@@ -480,7 +486,8 @@ class Engine:
         received = 0
         total_sq = 0.0
         nbytes = 0
-        async for message in messages:
+        stream = aiter(messages)
+        while (message := await self._next_message(header, stream, received)) is not None:
             if message.WhichOneof("kind") != "chunk":
                 raise Rejected(Reason.MALFORMED, "a push stream carries one header, then chunks")
             chunk = message.chunk
@@ -523,6 +530,25 @@ class Engine:
                            f"outer-gradient norm {norm:.4g} exceeds the bound {bound:.4g} "
                            f"(limits.norm_bound)")
         return norm, nbytes
+
+    async def _next_message(self, header: pb.PushHeader,
+                            messages: AsyncIterator[pb.PushMessage],
+                            received: int) -> pb.PushMessage | None:
+        """The push stream's next message, None at its end. A stream that sends
+        nothing for `limits.push_idle_s` is cut: its learner is stuck or gone, and
+        its staging buffer is what other pushes wait for."""
+        idle_s = self.config.limits.push_idle_s
+        try:
+            async with asyncio.timeout(idle_s):
+                return await anext(messages)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            self._count_cut(header, reason=Reason.IDLE.value)
+            raise Cut(Reason.IDLE,
+                      f"the push of fragment {header.fragment} (seq {header.seq}) sent "
+                      f"nothing for {idle_s:g} s after {received} of {header.numel} "
+                      f"elements (limits.push_idle_s); push it again") from None
 
     def _check_uninitialized(self, fragment: int) -> None:
         published = self._store().published(fragment)

@@ -31,6 +31,8 @@ class Reason(enum.Enum):
     # High availability: this replica is a standby, or a newer leader exists.
     NOT_LEADER = "not_leader"
     STALE_EPOCH = "stale_epoch"
+    # A push stream that sent nothing for limits.push_idle_s: cut, not refused.
+    IDLE = "idle"
 
 
 class Rejected(Exception):
@@ -54,3 +56,8 @@ class NotLeader(Rejected):
         super().__init__(Reason.NOT_LEADER, where)
         self.leader = leader
         self.epoch = epoch
+
+
+class Cut(Rejected):
+    """A push the daemon cut off rather than refused: it is counted as cut where it
+    was cut, never as a rejection, and its learner sends it again."""

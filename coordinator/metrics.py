@@ -49,7 +49,8 @@ class Metrics:
             "ftsync_pushes_cut",
             description="pushes whose call ended before their last chunk: the learner "
                         "cancelled it, died or moved to another replica, the daemon "
-                        "stopped, or gRPC refused a message over its size limit")
+                        "stopped, gRPC refused a message over its size limit, or the "
+                        "stream sent nothing for limits.push_idle_s")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from coordinator.engine import Engine, FragmentView
-from coordinator.errors import NotLeader, Reason, Rejected
+from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
@@ -50,6 +50,8 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.NOT_LEADER: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STALE_EPOCH: grpc.StatusCode.FAILED_PRECONDITION,
+    # Retried by learners, as a call that timed out is: the push is sent again.
+    Reason.IDLE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 _FP32 = codec_named("fp32")
@@ -183,7 +185,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
 
     async def _abort(self, context: Context, rpc: str, learner_id: str,
                      rejected: Rejected, **event_fields: object) -> NoReturn:
-        self.engine.record_rejection(rpc, learner_id, rejected, **event_fields)
+        if not isinstance(rejected, Cut):  # a cut is counted where it was cut
+            self.engine.record_rejection(rpc, learner_id, rejected, **event_fields)
         await abort(context, rejected)
 
 

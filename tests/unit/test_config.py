@@ -250,6 +250,8 @@ def test_a_table_given_a_scalar(tmp_path: Path) -> None:
     ("[limits]\nnorm_bound = 1.0\nchunk_bytes = 10\n", "limits.chunk_bytes", "chunk_bytes"),
     ("[limits]\nchunk_bytes = 8388608\n", "limits.chunk_bytes", "chunk_bytes"),
     ("[limits]\nstaging_bytes = -1\n", "limits.staging_bytes", "staging_bytes"),
+    ("[limits]\npush_idle_s = 0\n", "limits.push_idle_s", "push_idle_s"),
+    ("[limits]\npush_idle_s = inf\n", "limits.push_idle_s", "push_idle_s"),
     ('fsync = true\nlisten = "nope"\n', "listen", "listen"),
     ("fsync = true\nheartbeat_interval_ms = 0\n", "heartbeat_interval_ms", "heartbeat"),
 ])
