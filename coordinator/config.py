@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from coordinator.policy import PolicyConfig
+from protos.tls import TlsConfig
 
 T = TypeVar("T")
 
@@ -176,6 +177,10 @@ class CoordinatorConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     ha: HaConfig = field(default_factory=HaConfig)
+    # The coordinator's certificate serves learners, replicas and Admin; with tls.ca,
+    # clients must present certificates (a learner's names its id) and replicas,
+    # etcd and peers are reached with it too.
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if (not re.fullmatch(r"[^\s:]*:\d+", self.listen)

@@ -21,6 +21,7 @@ from coordinator.engine import Engine
 from coordinator.ha import Replica
 from coordinator.service import AdminService, ReplicationService, SynchronizerService
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import tls
 from protos.codec import MAX_CHUNK_BYTES
 
 # gRPC's own limit sits above ours, so an oversize chunk between the two
@@ -55,6 +56,15 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        material = tls.load(config.tls)
+        tls.require_tls_off_loopback(config.listen, material, config.tls.insecure,
+                                     "ftsync-coordinator")
+    except tls.TlsError as exc:
+        raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
+    if material is not None and not material.can_serve:
+        raise SystemExit("ftsync-coordinator: cannot start: tls.ca alone is not enough to "
+                         "serve TLS; give tls.cert and tls.key too")
+    try:
         engine = Engine(config)
     except OSError as exc:  # the state directory, the event log, the metrics port
         raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
@@ -76,7 +86,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
                                                   server)
     host = config.listen.rsplit(":", 1)[0]
     try:
-        port = server.add_insecure_port(config.listen)
+        port = tls.add_port(server, config.listen, material)
     except RuntimeError:  # how grpcio reports a failed bind
         port = 0
     if port == 0:
@@ -85,7 +95,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
                          f"is in use or not on this machine")
     await server.start()
     print(describe(config), file=sys.stderr, flush=True)
-    replica = Replica(engine, config, f"{host}:{port}") if config.ha.enabled else None
+    replica = Replica(engine, config, f"{host}:{port}", material) if config.ha.enabled else None
     if replica is not None:
         await replica.start()
     print(f"ftsync-coordinator listening on {host}:{port}", flush=True)

@@ -257,9 +257,19 @@ class Engine:
 
     # -- membership -----------------------------------------------------------
 
-    def authenticate(self, learner_id: str, token: str | None) -> None:
+    def authenticate(self, learner_id: str, token: str | None,
+                     names: frozenset[str] | None = None) -> None:
+        """Check the caller may act as `learner_id`: with a verified client
+        certificate (`names`, its CN and SANs) only as a name it was issued to;
+        without one, by the learner's bearer token when tokens are configured."""
         if not learner_id:
             raise Rejected(Reason.MALFORMED, "learner_id is empty")
+        if names is not None:
+            if learner_id not in names:
+                raise Rejected(Reason.UNAUTHENTICATED,
+                               f"the client certificate is issued to "
+                               f"{', '.join(sorted(names))}, not to learner {learner_id!r}")
+            return
         if not self.tokens:
             return
         expected = self.tokens.get(learner_id)
@@ -270,10 +280,10 @@ class Engine:
             raise Rejected(Reason.UNAUTHENTICATED,
                            f"bad or missing bearer token for learner {learner_id!r}")
 
-    def token_accepted(self, token: str | None) -> bool:
-        """Whether `token` is some learner's: all a push stream that sent no header
-        (so no learner id) can be checked against."""
-        matched = not self.tokens
+    def token_accepted(self, token: str | None, names: frozenset[str] | None = None) -> bool:
+        """Whether the caller is some learner: all a push stream that sent no header
+        (so no learner id) can be checked against. A verified certificate is one."""
+        matched = not self.tokens or names is not None
         for expected in self.tokens.values():  # all of them: the time says not which
             matched |= hmac.compare_digest(token or "", expected)
         return matched

@@ -27,6 +27,9 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
+from protos import etcd_tls
+from protos.tls import TlsMaterial
+
 T = TypeVar("T")
 
 # Default deadline of one etcd call.
@@ -73,8 +76,10 @@ def _is_ipv4(host: str) -> bool:
 class Etcd:
     """One connection to an etcd cluster."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout_s: float = CALL_TIMEOUT_S,
+                 material: TlsMaterial | None = None) -> None:
         self.endpoints = list(endpoints)
+        self.material = material
         self.timeout_s = timeout_s
         self._targets = channel_targets(endpoints)
         self._target = 0
@@ -82,7 +87,7 @@ class Etcd:
 
     def _connect(self) -> aetcd.Client:
         host, port = self._targets[self._target]
-        return aetcd.Client(host=host, port=port, options={
+        return etcd_tls.client(host, port, self.material, options={
             # Notice a dead member quickly and move to the next one.
             "grpc.keepalive_time_ms": 2_000,
             "grpc.keepalive_timeout_ms": 1_000,

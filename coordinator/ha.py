@@ -31,23 +31,26 @@ from coordinator.replication import Replicator
 from coordinator.tasks import cancel_and_wait
 from protos import discovery
 from protos.discovery import LeaderRecord
+from protos.tls import TlsMaterial
 
 
 class Replica:
     """Election, membership and replication for one engine."""
 
     def __init__(self, engine: Engine, config: CoordinatorConfig, address: str,
+                 material: TlsMaterial | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         ha = config.ha
         self.engine = engine
         self.config = config
         self.address = ha.advertise or address
         self.replica_id = ha.replica_id or self.address
-        self.etcd = Etcd(ha.etcd)
+        # One certificate for etcd, the other replicas and the learners alike.
+        self.etcd = Etcd(ha.etcd, material=material)
         self.election = Election(self.etcd, ha.run, self.replica_id, self.address,
                                  ha.lease_ttl_s, clock)
         self.membership = EtcdMembership(self.etcd, ha.run, config.policy.heartbeat_timeout_s)
-        self.replicator = Replicator(engine, self.etcd, ha, self.replica_id, clock)
+        self.replicator = Replicator(engine, self.etcd, ha, self.replica_id, clock, material)
         engine.membership = self.membership
         engine.replica_id = self.replica_id
         engine.address = self.address

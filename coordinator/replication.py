@@ -37,10 +37,11 @@ from coordinator.durability import FragmentRecord, RunRecord
 from coordinator.errors import NotLeader, Reason, Rejected
 from coordinator.etcd import Etcd, EtcdError
 from coordinator.tasks import cancel_and_wait
-from protos import discovery
+from protos import discovery, tls
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import MAX_CHUNK_BYTES, codec_named, iter_chunk_messages
+from protos.tls import TlsMaterial
 
 if TYPE_CHECKING:
     from coordinator.engine import Engine
@@ -158,9 +159,11 @@ class Replicator:
     """Streams every committed version to the standbys while this replica leads."""
 
     def __init__(self, engine: Engine, etcd: Etcd, config: HaConfig, replica_id: str,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], material: TlsMaterial | None = None) -> None:
         self.engine = engine
         self.etcd = etcd
+        # The coordinator's own certificate: standbys take it as a replica's.
+        self.material = material
         self.config = config
         self.replica_id = replica_id
         self.clock = clock
@@ -283,8 +286,8 @@ class Replicator:
 
     async def _run_link(self, link: _Link) -> None:
         try:
-            async with grpc.aio.insecure_channel(link.address,
-                                                 options=_CHANNEL_OPTIONS) as channel:
+            async with tls.aio_channel(link.address, self.material,
+                                       _CHANNEL_OPTIONS) as channel:
                 stub = pb_grpc.ReplicationStub(channel)
                 await self._catch_up(link, stub)
                 while True:

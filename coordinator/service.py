@@ -22,6 +22,7 @@ from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import codec_named, iter_chunk_messages
+from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -64,6 +65,18 @@ def bearer_token(context: Context) -> str | None:
     return None
 
 
+def role_allowed(context: Context, token: str, role: str, mutual: bool) -> bool:
+    """Admin calls and replication: a client certificate issued to `role`, or the
+    role's token. With neither configured they are open, except under mutual TLS,
+    where a learner's certificate must not be enough."""
+    names = peer_names(context)
+    if names is not None and role in names:
+        return True
+    if token:
+        return hmac.compare_digest(bearer_token(context) or "", token)
+    return not mutual
+
+
 class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -102,7 +115,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                            context: Context) -> pb.PushResponse:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
-            if not self.engine.token_accepted(bearer_token(context)):
+            if not self.engine.token_accepted(bearer_token(context), peer_names(context)):
                 # Refused at once: a caller without a learner's token neither waits
                 # here nor, by cancelling, counts as a learner's push cut short.
                 await self._abort(context, "PushFragment", "", Rejected(
@@ -129,7 +142,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                            context: Context) -> AsyncIterator[pb.PullMessage]:
         wait_s = min(request.wait_ms / 1000.0, MAX_PULL_WAIT_S)
         try:
-            self.engine.authenticate(request.learner_id, bearer_token(context))
+            self.engine.authenticate(request.learner_id, bearer_token(context),
+                                     peer_names(context))
             published = await self.engine.pull(request.learner_id, request.fragment,
                                                request.have_version, wait_s)
         except Rejected as rejected:
@@ -145,7 +159,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     async def FetchSnapshot(self, request: pb.SnapshotRequest,
                             context: Context) -> AsyncIterator[pb.PullMessage]:
         try:
-            self.engine.authenticate(request.learner_id, bearer_token(context))
+            self.engine.authenticate(request.learner_id, bearer_token(context),
+                                     peer_names(context))
             snapshot = self.engine.snapshot(request.learner_id)
         except Rejected as rejected:
             await self._abort(context, "FetchSnapshot", request.learner_id, rejected)
@@ -178,7 +193,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     async def _call_async(self, rpc: str, learner_id: str, context: Context,
                           handler: Callable[[], Awaitable[T]], **event_fields: object) -> T:
         try:
-            self.engine.authenticate(learner_id, bearer_token(context))
+            self.engine.authenticate(learner_id, bearer_token(context), peer_names(context))
             return await handler()
         except Rejected as rejected:
             await self._abort(context, rpc, learner_id, rejected, **event_fields)
@@ -209,9 +224,11 @@ class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
     async def Replicate(self, request_iterator: AsyncIterator[pb.ReplicaMessage],
                         context: Context) -> pb.ReplicaAck:
         try:
-            if self.token and not hmac.compare_digest(bearer_token(context) or "", self.token):
+            if not role_allowed(context, self.token, REPLICA_NAME,
+                                bool(self.engine.config.tls.ca)):
                 raise Rejected(Reason.UNAUTHENTICATED,
-                               "replication needs the replicas' shared token (ha.token)")
+                               f"replication needs the replicas' shared token (ha.token) "
+                               f"or a client certificate issued to {REPLICA_NAME!r}")
             epoch, run, record = await read_replica(request_iterator)
             known = await self.engine.apply_replica(epoch, run, record)
         except Rejected as rejected:
@@ -227,10 +244,11 @@ class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
 
     async def Status(self, request: pb.StatusRequest,
                      context: Context) -> pb.StatusResponse:
-        if self.token and not hmac.compare_digest(bearer_token(context) or "", self.token):
+        if not role_allowed(context, self.token, ADMIN_NAME, bool(self.engine.config.tls.ca)):
             rejected = Rejected(Reason.UNAUTHENTICATED,
-                                "Status needs the admin token (auth.admin_token; "
-                                "ftsync-coordinator status --token)")
+                                f"Status needs the admin token (auth.admin_token; "
+                                f"ftsync-coordinator status --token) or a client "
+                                f"certificate issued to {ADMIN_NAME!r}")
             self.engine.record_rejection("Status", "", rejected)
             await abort(context, rejected)
         return self.engine.status()

@@ -32,6 +32,8 @@ from learner.fragments import FragmentPlan, FragmentView, plan_fragments
 from learner.peers import PeerSettings
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from protos.events import EventLog
+from protos.tls import TlsConfig
+from protos.tls import load as load_tls
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -60,9 +62,11 @@ class Learner:
                  tokens_per_step: int | None = None, event_log: str = "",
                  connect_timeout_s: float = 60.0, max_backlog: int = 8,
                  peers: Sequence[str] = (), serve_peers: str | None = None,
-                 peer_transport: str = "bulk") -> None:
+                 peer_transport: str = "bulk", tls: TlsConfig | None = None) -> None:
         peer_settings = PeerSettings(peers=tuple(peers), serve=serve_peers,
-                                     transport=peer_transport)
+                                     transport=peer_transport,
+                                     insecure=tls is not None and tls.insecure)
+        material = load_tls(tls)  # a bad file is refused here, before anything starts
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.plan: FragmentPlan = plan_fragments(self.model, fragments)
@@ -72,7 +76,7 @@ class Learner:
             coordinator, self.learner_id, self.plan.hash, self.plan.numels, token=token,
             overlap_steps=overlap, codec=compression,
             retry=Retry(give_up_after_s=connect_timeout_s), events=self.events,
-            device=str(self.device))
+            device=str(self.device), tls=material)
         view = FragmentView(self.model, self.plan)
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,

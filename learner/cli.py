@@ -28,6 +28,8 @@ from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
+from protos.tls import TlsConfig
+from protos.tls import load as load_tls
 
 TASK_CHOICES = ("lm-stdlib", "digits", "synthetic")
 
@@ -39,7 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         codec_named(args.compression)
         SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
         args.peer_settings = PeerSettings(peers=tuple(args.peers), serve=args.serve_peers,
-                                          transport=args.peer_transport)
+                                          transport=args.peer_transport, insecure=args.insecure)
+        args.tls = TlsConfig(cert=args.tls_cert or "", key=args.tls_key or "",
+                             ca=args.tls_ca or "", insecure=args.insecure)
+        args.tls_material = load_tls(args.tls)
     except (CodecError, ValueError) as exc:
         parser.error(str(exc))
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
@@ -101,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
                              "(port 0: any free port, printed at start)")
     parser.add_argument("--peer-transport", default="bulk", choices=TRANSPORTS,
                         help="how to fetch from peers: bulk (raw TCP beside gRPC) or grpc")
+    parser.add_argument("--tls-cert", metavar="PEM",
+                        help="TLS certificate issued to this learner's id: presented to the "
+                             "coordinator, etcd and peers, and served to peers")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-ca", metavar="PEM",
+                        help="CA that signs the coordinator's and the peers' certificates "
+                             "(turns TLS on); peers then require client certificates")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve peers plaintext on a non-loopback --serve-peers address")
     parser.add_argument("--event-log", default="", help="append JSONL events here")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to keep retrying an unreachable coordinator")
@@ -202,7 +216,8 @@ def _start(start: Callable[[], object], joined: Callable[[], bool], run: _Run,
               f"{args.coordinator}", file=sys.stderr)
         code = 128 + interrupted_by
     except Refused as refused:
-        hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id",
+        hint = {"unauthenticated": "check --token (or FTSYNC_TOKEN) for this learner id, or "
+                                   "that --tls-cert is issued to it",
                 "layout_mismatch": "every learner of a run must use the same task, size "
                                    "and --fragments"}.get(refused.reason, "")
         print(f"ftsync-learner: the coordinator at {args.coordinator} refused "
@@ -269,7 +284,8 @@ def run_task(args: argparse.Namespace) -> int:
                       compression=args.compression, token=args.token,
                       learner_id=args.learner_id, device=device, event_log=args.event_log,
                       connect_timeout_s=args.connect_timeout, peers=args.peers,
-                      serve_peers=args.serve_peers, peer_transport=args.peer_transport)
+                      serve_peers=args.serve_peers, peer_transport=args.peer_transport,
+                      tls=args.tls)
     run = _Run(args.learner_id)
     code = _start(learner.start, lambda: learner.catch_up is not None, run, args)
     if code:
@@ -322,7 +338,8 @@ def run_synthetic(args: argparse.Namespace) -> int:
     client = SynchronizerClient(
         args.coordinator, args.learner_id, layout_hash(numels, f"synthetic-{args.dim}"), numels,
         token=args.token, overlap_steps=args.overlap, codec=args.compression,
-        retry=Retry(give_up_after_s=args.connect_timeout), events=events)
+        retry=Retry(give_up_after_s=args.connect_timeout), events=events,
+        tls=args.tls_material)
 
     def read(p: int) -> np.ndarray:
         a, b = bounds[p]

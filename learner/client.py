@@ -42,6 +42,7 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import Codec, codec_named, iter_chunk_messages
 from protos.events import EventLog
+from protos.tls import TlsMaterial, aio_channel, diagnose
 
 T = TypeVar("T")
 
@@ -154,8 +155,11 @@ class SynchronizerClient:
     def __init__(self, address: str, learner_id: str, layout_hash: str,
                  numels: list[int], *, token: str | None = None, overlap_steps: int = 1,
                  codec: str = "fp32", retry: Retry | None = None,
-                 events: EventLog | None = None, device: str = "cpu") -> None:
+                 events: EventLog | None = None, device: str = "cpu",
+                 tls: TlsMaterial | None = None) -> None:
         self.learner_id = learner_id
+        # This learner's certificate, for the coordinator, etcd and its peers alike.
+        self.tls = tls
         self.layout_hash = layout_hash
         self.numels = numels
         self.overlap_steps = overlap_steps
@@ -181,6 +185,8 @@ class SynchronizerClient:
         self._switches = 0
         # When each replica last failed to answer (loop time).
         self._failed_at: dict[str, float] = {}
+        # Replicas whose TLS has been checked after a failed connection.
+        self._tls_checked: set[str] = set()
         self.run_id = ""
         # A Join once sent may have been taken even if its reply never came (the call
         # cancelled or timed out): from then until a Leave, this learner may be a
@@ -271,7 +277,7 @@ class SynchronizerClient:
             raise _WrongReplica("no leader is known yet")
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = aio_channel(address, self.tls, _CHANNEL_OPTIONS)
             self._channels[address] = channel
         return pb_grpc.SynchronizerStub(channel)
 
@@ -291,7 +297,8 @@ class SynchronizerClient:
                 self.addresses.append(hint)
             self._current = self.addresses.index(hint)
         elif self._etcd is not None:
-            leader = await _leader_from_etcd(*self._etcd, avoid=before if failed else "",
+            leader = await _leader_from_etcd(*self._etcd, self.tls,
+                                             avoid=before if failed else "",
                                              wait_s=_HEARTBEAT_DEADLINE_S)
             if leader and leader not in self.addresses:
                 self.addresses.append(leader)
@@ -528,6 +535,17 @@ class SynchronizerClient:
                 await self.repush_unacknowledged()
         return await self._retrying(call)
 
+    async def _refuse_on_tls_mismatch(self, exc: grpc.aio.AioRpcError) -> None:
+        """Give up at once, saying why, on a replica whose TLS will never accept this
+        learner (gRPC calls that unavailable too); asked once per replica."""
+        address = self.address
+        if not address or address in self._tls_checked:
+            return
+        self._tls_checked.add(address)
+        problem = await asyncio.to_thread(diagnose, address, self.tls)
+        if problem:
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"tls: {problem}") from exc
+
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         delays = self.retry.delays()
@@ -574,6 +592,8 @@ class SynchronizerClient:
                               and details.startswith("not_leader"))
                 if not not_leader and exc.code() not in _TRANSIENT:
                     raise Refused(exc.code(), details) from exc
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    await self._refuse_on_tls_mismatch(exc)
                 if failing_for() >= self.retry.give_up_after_s:
                     if not_leader:
                         raise Refused(exc.code(), details) from exc
@@ -618,7 +638,8 @@ def _leader_named(error: grpc.aio.AioRpcError) -> str:
     return named.group(1) if named else ""
 
 
-async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
+async def _leader_from_etcd(endpoints: list[str], run: str, tls: TlsMaterial | None,
+                            avoid: str = "",
                             wait_s: float = 0.0) -> str:
     """The leader's address as etcd has it; "" when none leads or etcd is unreachable.
 
@@ -629,8 +650,10 @@ async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
     deadline."""
     import aetcd  # only learners that discover through etcd need it
 
+    from protos import etcd_tls
+
     host, _, port = endpoints[random.randrange(len(endpoints))].rpartition(":")
-    client = aetcd.Client(host=host, port=int(port), timeout=2)
+    client = etcd_tls.client(host, int(port), tls, timeout=2)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     try:

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from learner.api import Learner
 from learner.fragments import FragmentPlan, plan_fragments
+from protos.tls import TlsConfig
 
 # Slot of the per-step signal that says rank 0's `Learner.step` raised.
 _FAILED = -1
@@ -59,7 +60,8 @@ class DistributedLearner:
                  alpha: float = 0.0, compression: str = "fp32", token: str | None = None,
                  learner_id: str | None = None, device: str | torch.device = "auto",
                  tokens_per_step: int | None = None, event_log: str = "",
-                 connect_timeout_s: float = 60.0, max_backlog: int = 8) -> None:
+                 connect_timeout_s: float = 60.0, max_backlog: int = 8,
+                 tls: TlsConfig | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedLearner needs torch.distributed initialised first, "
                                "e.g. dist.init_process_group('gloo') under torchrun")
@@ -92,7 +94,7 @@ class DistributedLearner:
             coordinator=coordinator, sync_every=sync_every, fragments=fragments,
             overlap=overlap, alpha=alpha, compression=compression, token=token,
             learner_id=learner_id, event_log=event_log, connect_timeout_s=connect_timeout_s,
-            max_backlog=max_backlog)
+            max_backlog=max_backlog, tls=tls)
         self._hook: Any = None
         if inner_optimizer is not None:
             if tokens_per_step is None:

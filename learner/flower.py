@@ -63,6 +63,8 @@ from flwr.common import (
 from learner.client import Pulled, Retry, SynchronizerClient
 from learner.fragments import pack_balanced
 from protos.events import EventLog
+from protos.tls import TlsConfig
+from protos.tls import load as load_tls
 
 Metrics = dict[str, Scalar]
 
@@ -309,6 +311,7 @@ class RunSettings:
     evaluate: bool = True
     pull_wait_s: float = 60.0
     connect_timeout_s: float = 60.0
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -321,7 +324,8 @@ def run_numpy_client(client: NumPyClient | Client, coordinator: str, *, rounds: 
                      learner_id: str, fragments: int = 1, config: Metrics | None = None,
                      token: str | None = None, compression: str = "fp32",
                      event_log: str = "", evaluate: bool = True, pull_wait_s: float = 60.0,
-                     connect_timeout_s: float = 60.0) -> FlowerRunSummary:
+                     connect_timeout_s: float = 60.0,
+                     tls: TlsConfig | None = None) -> FlowerRunSummary:
     """Train `client` for `rounds` fits as learner `learner_id` of the run at
     `coordinator`. Each fit gets `config` plus `"server-round"`; evaluation
     (when `evaluate` and the client implements it) runs on the first and the
@@ -331,7 +335,7 @@ def run_numpy_client(client: NumPyClient | Client, coordinator: str, *, rounds: 
                         else LegacyClientTrainer(client))
     return run_trainer(trainer, coordinator, RunSettings(
         rounds, learner_id, fragments, dict(config or {}), token, compression, event_log,
-        evaluate, pull_wait_s, connect_timeout_s))
+        evaluate, pull_wait_s, connect_timeout_s, tls))
 
 
 def run_client_app(app: ClientApp, coordinator: str, initial_arrays: ArrayRecord | NDArrays,
@@ -340,7 +344,8 @@ def run_client_app(app: ClientApp, coordinator: str, initial_arrays: ArrayRecord
                    loss_key: str = "eval_loss", token: str | None = None,
                    compression: str = "fp32", event_log: str = "", evaluate: bool = True,
                    pull_wait_s: float = 60.0,
-                   connect_timeout_s: float = 60.0) -> FlowerRunSummary:
+                   connect_timeout_s: float = 60.0,
+                   tls: TlsConfig | None = None) -> FlowerRunSummary:
     """Train a Message-API `ClientApp` as a learner. `initial_arrays` plays the
     ServerApp's `initial_arrays` (offered as version 0; the first learner's
     wins); `context` (one for the whole run, so `context.state` persists
@@ -352,7 +357,7 @@ def run_client_app(app: ClientApp, coordinator: str, initial_arrays: ArrayRecord
         run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), loss_key)
     return run_trainer(trainer, coordinator, RunSettings(
         rounds, learner_id, fragments, dict(config or {}), token, compression, event_log,
-        evaluate, pull_wait_s, connect_timeout_s))
+        evaluate, pull_wait_s, connect_timeout_s, tls))
 
 
 def run_trainer(trainer: Trainer, coordinator: str, settings: RunSettings) -> FlowerRunSummary:
@@ -383,7 +388,8 @@ class _Rounds:
         self.client = SynchronizerClient(
             coordinator, settings.learner_id, self.layout.hash, self.layout.numels,
             token=settings.token, codec=settings.compression,
-            retry=Retry(give_up_after_s=settings.connect_timeout_s), events=events)
+            retry=Retry(give_up_after_s=settings.connect_timeout_s), events=events,
+            tls=load_tls(settings.tls))
         self.states: list[_FragmentState] = []
         self.completed = 0
         self.pull_timeouts = 0

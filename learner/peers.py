@@ -22,6 +22,7 @@ import contextlib
 import os
 import secrets
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -38,6 +39,15 @@ from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
 from protos.codec import FP32, iter_chunk_messages
 from protos.events import EventLog
+from protos.tls import (
+    TlsError,
+    TlsMaterial,
+    add_port,
+    aio_channel,
+    client_context,
+    require_tls_off_loopback,
+    server_context,
+)
 
 # How a catching-up learner fetches: "bulk" (Reserve, then raw bytes over TCP;
 # it falls back to "grpc" for a peer whose bulk port it cannot reach) or "grpc".
@@ -53,6 +63,9 @@ _TICKET_BYTES: Final = 16
 # The byte count a bulk connection is answered with for an unknown or spent ticket.
 _NO_TICKET: Final = (1 << 64) - 1
 _RESERVATION_S: Final = 30.0
+# A bulk connection that has not finished its handshake and sent its ticket by then
+# is closed.
+_TICKET_WAIT_S: Final = 10.0
 # Control calls to a peer: a peer that cannot answer in this long is skipped.
 _RPC_TIMEOUT_S: Final = 5.0
 # A version the learner is pushing into or pulling right now is worth waiting this
@@ -113,6 +126,8 @@ class PeerSettings:
     concurrency: int = 4
     # A transfer with no progress for this long moves on to the next peer.
     idle_timeout_s: float = 10.0
+    # Serve plaintext on a non-loopback address (refused otherwise).
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -224,8 +239,12 @@ class PeerServer:
 
     def __init__(self, held: HeldFragments, identity: Callable[[], tuple[str, str]],
                  numels: Sequence[int], chunk_bytes: Callable[[], int],
-                 events: EventLog, learner_id: str) -> None:
+                 events: EventLog, learner_id: str, tls: TlsMaterial | None = None) -> None:
         self.held = held
+        # With TLS both the gRPC port and the bulk port serve this certificate, and
+        # with a CA both require a client's signed by it.
+        self.tls = tls
+        self._bulk_tls = server_context(tls) if tls is not None and tls.can_serve else None
         # (run_id, layout_hash) of this learner's run, read at each request.
         self.identity = identity
         self.numels = list(numels)
@@ -241,10 +260,17 @@ class PeerServer:
         self._senders = concurrent.futures.ThreadPoolExecutor(
             _SENDERS, thread_name_prefix="ftsync-peer-send", initializer=_lower_priority)
 
-    async def start(self, address: str) -> str:
+    async def start(self, address: str, insecure: bool = False) -> str:
         """Listen on `address` (gRPC) and on a free port of the same host (bulk);
         returns the gRPC address as bound."""
         host, _ = split_address(address)
+        try:
+            require_tls_off_loopback(address, self.tls, insecure, "serving peers")
+        except TlsError as exc:
+            raise OSError(str(exc)) from None
+        if self.tls is not None and not self.tls.can_serve:
+            raise OSError(f"cannot serve peers on {address} over TLS without a certificate: "
+                          f"give this learner --tls-cert and --tls-key")
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
             host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         listener = socket.socket(family, kind, proto)
@@ -263,7 +289,7 @@ class PeerServer:
         server = grpc.aio.server(options=[*_CHANNEL_OPTIONS[:2], ("grpc.so_reuseport", 0)])
         peer_grpc.add_PeerFragmentsServicer_to_server(_Servicer(self), server)
         try:
-            port = server.add_insecure_port(address)
+            port = add_port(server, address, self.tls)
         except RuntimeError as exc:  # grpcio reports a failed bind this way
             port = 0
             cause: Exception | None = exc
@@ -349,29 +375,38 @@ class PeerServer:
             conn, _ = await loop.sock_accept(self._listener)
             self._spawn(self._serve_bulk(conn))
 
-    async def _serve_bulk(self, conn: socket.socket) -> None:
+    async def _serve_bulk(self, raw: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        with conn, contextlib.suppress(OSError, TimeoutError):
-            conn.setblocking(False)
-            ticket = await asyncio.wait_for(_sock_recv_exactly(loop, conn, _TICKET_BYTES), 10.0)
+        # Everything on this connection blocks in a worker thread (the TLS handshake
+        # too): the kernel waits with the GIL released, and neither this loop nor the
+        # training thread wakes per socket buffer as non-blocking calls would.
+        _kernel_timeouts(raw, _TICKET_WAIT_S)
+        conn = raw  # wrapping for TLS detaches `raw`: from then on, `conn` is the socket
+        try:
+            conn = await loop.run_in_executor(self._senders, _secure, raw, self._bulk_tls)
+            ticket = await loop.run_in_executor(self._senders, _recv_exactly, conn,
+                                                _TICKET_BYTES)
             reserved = self._tickets.pop(ticket, None)
             if reserved is None or reserved.expires_at < time.monotonic():
-                await loop.sock_sendall(conn, struct.pack("<Q", _NO_TICKET))
+                await loop.run_in_executor(self._senders, conn.sendall,
+                                           struct.pack("<Q", _NO_TICKET))
                 return
+            # One send from the array's own memory: the kernel copies it all.
             view = _little_endian(reserved.values).data.cast("B")
-            # One blocking send from the array's own memory, in a worker thread: the
-            # kernel copies it all with the GIL released, and neither this loop nor
-            # the training thread wakes per socket buffer as a non-blocking send would.
             _kernel_timeouts(conn, _SEND_IDLE_S)
-            try:
-                await loop.run_in_executor(self._senders, _send_all, conn,
-                                           struct.pack("<Q", view.nbytes), view)
-            except asyncio.CancelledError:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread's send
-                raise
-            self.served(str(conn.getpeername()[0]), reserved.fragment, reserved.version, "bulk",
-                        view.nbytes, started)
+            await loop.run_in_executor(self._senders, _send_all, conn,
+                                       struct.pack("<Q", view.nbytes), view)
+            self.served(str(conn.getpeername()[0]), reserved.fragment, reserved.version,
+                        "bulk", view.nbytes, started)
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread's send or receive
+            raise
+        except (OSError, TimeoutError, ConnectionError):
+            pass  # the fetcher gave up, or never was one: it moves on to another peer
+        finally:
+            conn.close()
 
 
 class _Servicer(peer_grpc.PeerFragmentsServicer):  # type: ignore[misc]
@@ -450,7 +485,8 @@ async def fetch_from_peers(
         addresses: Sequence[str], run_id: str, layout_hash: str,
         wanted: Mapping[int, pb.FragmentStatus], numels: Sequence[int], *,
         transport: str = "bulk", concurrency: int = 4, idle_timeout_s: float = 10.0,
-        deliver: Callable[[Fetched], Awaitable[None]] | None = None) -> PeerFetchReport:
+        deliver: Callable[[Fetched], Awaitable[None]] | None = None,
+        tls: TlsMaterial | None = None) -> PeerFetchReport:
     """Fetch fragment p at exactly the version and commit `wanted[p]` names (as
     the synchronizer published it), from the first of `addresses`
     that holds it (fragment p starts at peer p mod n, so several peers share the
@@ -459,7 +495,7 @@ async def fetch_from_peers(
     report = PeerFetchReport()
     if not addresses or not wanted:
         return report
-    peers = [_open_peer(address) for address in addresses]
+    peers = [_open_peer(address, tls) for address in addresses]
     limit = asyncio.Semaphore(concurrency)
 
     async def one(fragment: int) -> None:
@@ -473,7 +509,7 @@ async def fetch_from_peers(
             try:
                 async with limit:
                     fetched = await _fetch(peer, request, numels[fragment], transport,
-                                           idle_timeout_s)
+                                           idle_timeout_s, tls)
             except PeerMiss as miss:
                 report.misses.append(f"{peer.address} fragment {fragment}: {miss}")
                 continue
@@ -489,13 +525,13 @@ async def fetch_from_peers(
     return report
 
 
-def _open_peer(address: str) -> _Peer:
-    channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+def _open_peer(address: str, tls: TlsMaterial | None) -> _Peer:
+    channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
     return _Peer(address, channel, peer_grpc.PeerFragmentsStub(channel))
 
 
 async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, transport: str,
-                 idle_timeout_s: float) -> Fetched:
+                 idle_timeout_s: float, tls: TlsMaterial | None) -> Fetched:
     """One fragment version from one peer, or `PeerMiss`."""
     started = time.monotonic()
     try:
@@ -510,7 +546,8 @@ async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, tra
             host, _ = split_address(peer.address)
             try:
                 values = await asyncio.to_thread(_receive_bulk, host, reservation.bulk_port,
-                                                 reservation.ticket, numel, idle_timeout_s)
+                                                 reservation.ticket, numel, idle_timeout_s,
+                                                 tls)
             except ConnectionRefusedError:
                 # A firewall or NAT in the way of the bulk port: gRPC still gets through.
                 peer.bulk_reachable = False
@@ -559,13 +596,17 @@ async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel:
 
 
 def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
-                  idle_timeout_s: float) -> np.ndarray:
+                  idle_timeout_s: float, tls: TlsMaterial | None = None) -> np.ndarray:
     """Blocking (run in a thread): present the ticket, receive straight into the
-    array. The GIL is released while the kernel copies."""
+    array. The GIL is released while the kernel copies (and, over TLS, decrypts)."""
     values = np.empty(numel, dtype=np.float32)
     view = values.data.cast("B")
-    with socket.create_connection((host, port), timeout=idle_timeout_s) as conn:
-        _kernel_timeouts(conn, idle_timeout_s)
+    with socket.create_connection((host, port), timeout=idle_timeout_s) as raw:
+        _kernel_timeouts(raw, idle_timeout_s)
+        conn = raw if tls is None else client_context(tls).wrap_socket(raw,
+                                                                        server_hostname=host)
+        # An SSL socket takes no flags; its reads fill as much as one record holds.
+        wait_all = socket.MSG_WAITALL if tls is None else 0
         conn.sendall(ticket)
         (nbytes,) = struct.unpack("<Q", _recv_exactly(conn, 8))
         if nbytes == _NO_TICKET:
@@ -575,7 +616,7 @@ def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
         got = 0
         while got < nbytes:
             # MSG_WAITALL: one call for the lot, returning early only on a timeout.
-            n = conn.recv_into(view[got:], nbytes - got, socket.MSG_WAITALL)
+            n = conn.recv_into(view[got:], nbytes - got, wait_all)
             if n == 0:
                 raise ConnectionError(f"peer closed the bulk transfer after {got} of "
                                       f"{nbytes} bytes")
@@ -599,6 +640,11 @@ def _lower_priority() -> None:
                        os.getpriority(os.PRIO_PROCESS, 0) + _SENDER_NICE)
 
 
+def _secure(conn: socket.socket, context: ssl.SSLContext | None) -> socket.socket:
+    """The connection as the bulk port serves it: TLS-wrapped (handshake done) or as is."""
+    return conn if context is None else context.wrap_socket(conn, server_side=True)
+
+
 def _send_all(conn: socket.socket, header: bytes, view: memoryview) -> None:
     conn.sendall(header)
     conn.sendall(view)
@@ -610,17 +656,6 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
         more = conn.recv(n - len(data))
         if not more:
             raise ConnectionError(f"peer closed after {len(data)} of {n} header bytes")
-        data += more
-    return data
-
-
-async def _sock_recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                             n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = await loop.sock_recv(conn, n - len(data))
-        if not more:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
         data += more
     return data
 

@@ -215,8 +215,9 @@ class FragmentSync:
             client = self.client
             self._peer_server = PeerServer(
                 self.held, lambda: (client.run_id, client.layout_hash), client.numels,
-                lambda: client.chunk_bytes, client.events, client.learner_id)
-            self.peer_address = await self._peer_server.start(self.peers.serve)
+                lambda: client.chunk_bytes, client.events, client.learner_id, client.tls)
+            self.peer_address = await self._peer_server.start(self.peers.serve,
+                                                              self.peers.insecure)
         response = await self.client.join()
         # The published versions, read by the coordinator in one step: a consistent vector.
         published = {status.fragment: status for status in response.fragments}
@@ -247,7 +248,8 @@ class FragmentSync:
                 [a for a in self.peers.peers if a != self.peer_address], self.client.run_id,
                 self.client.layout_hash, published, self.client.numels,
                 transport=self.peers.transport, concurrency=self.peers.concurrency,
-                idle_timeout_s=self.peers.idle_timeout_s, deliver=from_peer)
+                idle_timeout_s=self.peers.idle_timeout_s, deliver=from_peer,
+                tls=self.client.tls)
             misses = report.misses
         for p, pulled in (await self._from_coordinator(
                 {p: v for p, v in versions.items() if p not in loaded})).items():

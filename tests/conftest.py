@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from protos.tls import TlsConfig
 from tests.daemon import Daemon
 from tests.etcd import etcd, etcd_cluster  # noqa: F401 (fixtures)
 
@@ -14,9 +15,10 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start coordinator daemons (stopped at the end); `start_daemon(*args)`."""
     daemons: list[Daemon] = []
 
-    def start(*args: str, state_dir: Path | None = None, port: int = 0) -> Daemon:
+    def start(*args: str, state_dir: Path | None = None, port: int = 0,
+              admin_tls: TlsConfig | None = None) -> Daemon:
         daemon = Daemon(state_dir=state_dir or tmp_path / f"state{len(daemons)}",
-                        args=list(args), port=port)
+                        args=list(args), port=port, admin_tls=admin_tls)
         daemons.append(daemon)
         return daemon.start()
 

@@ -30,6 +30,8 @@ from learner.client import Pulled, SynchronizerClient
 from learner.fragments import FragmentView
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
+from protos import tls
+from protos.tls import TlsMaterial
 from tests.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,8 +63,8 @@ def published(daemon: Daemon) -> dict[int, int]:
     return {f.fragment: f.version for f in daemon.status().fragments}
 
 
-async def holdings(address: str) -> dict[int, set[int]]:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def holdings(address: str, credentials: TlsMaterial | None = None) -> dict[int, set[int]]:
+    async with tls.aio_channel(address, credentials) as channel:
         held = await peer_grpc.PeerFragmentsStub(channel).ListHoldings(peer_pb.HoldingsRequest())
     result: dict[int, set[int]] = {}
     for status in held.fragments:
@@ -70,8 +72,9 @@ async def holdings(address: str) -> dict[int, set[int]]:
     return result
 
 
-def holds_published(daemon: Daemon, address: str) -> bool:
-    held = asyncio.run(holdings(address))
+def holds_published(daemon: Daemon, address: str,
+                    credentials: TlsMaterial | None = None) -> bool:
+    held = asyncio.run(holdings(address, credentials))
     return all(v in held.get(p, set()) for p, v in published(daemon).items())
 
 

@@ -36,14 +36,18 @@ from learner.client import FAILOVER_WINDOW_S, Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.events import EventLog
+from protos.tls import TlsMaterial
 from tests.integration.test_learner import small_model, train_step
 
 NUMELS = [2000, 1000]
 TTL_S = 3
 REPLICA_TOKEN = "replicas-only"
-REPLICA_ARGS = ["--set", "policy.grace_max_s=0.2", "--set", "policy.max_staleness=64",
-                "--set", f"ha.lease_ttl_s={TTL_S}", "--set", "outer.lr=0.1",
-                "--set", "outer.momentum=0.0", "--set", f"ha.token={REPLICA_TOKEN}"]
+# The run's settings; replicas authenticate each other by the token here, by their
+# certificate under mutual TLS (tests/integration/test_tls.py).
+REPLICA_SETTINGS = ["--set", "policy.grace_max_s=0.2", "--set", "policy.max_staleness=64",
+                    "--set", f"ha.lease_ttl_s={TTL_S}", "--set", "outer.lr=0.1",
+                    "--set", "outer.momentum=0.0"]
+REPLICA_ARGS = [*REPLICA_SETTINGS, "--set", f"ha.token={REPLICA_TOKEN}"]
 
 
 @pytest.fixture
@@ -59,12 +63,13 @@ def replicas(tmp_path: Path, etcd: EtcdCluster) -> Iterator[ReplicaSet]:
 class Learners:
     """In-process steady learners, each given its own way to the leader."""
 
-    def __init__(self, root: Path, addresses: list[str]) -> None:
+    def __init__(self, root: Path, addresses: list[str],
+                 tls: Callable[[str], TlsMaterial | None] = lambda learner: None) -> None:
         self.logs = [root / f"learner{i}.events.jsonl" for i in range(len(addresses))]
         self.clients = [
             SynchronizerClient(address, f"l{i}", "layout-ha", NUMELS,
                                retry=Retry(give_up_after_s=30),
-                               events=EventLog(str(log), source=f"l{i}"))
+                               events=EventLog(str(log), source=f"l{i}"), tls=tls(f"l{i}"))
             for i, (address, log) in enumerate(zip(addresses, self.logs, strict=True))]
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[int]] = []
