@@ -46,8 +46,10 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
+from coordinator.certs import make_certificates
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import tls
 from protos.codec import (
     DEFAULT_CHUNK_BYTES,
     Codec,
@@ -182,8 +184,9 @@ class BenchLearner:
     """The least a learner does over gRPC: join, push, pull, heartbeat."""
 
     def __init__(self, address: str, learner_id: str, sizes: Sequence[int],
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 credentials: tls.TlsMaterial | None = None) -> None:
+        self.channel = tls.aio_channel(address, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.learner_id = learner_id
         self.sizes = list(sizes)
@@ -492,8 +495,8 @@ async def codec_pushes(learner: BenchLearner, deltas: list[Floats], version: int
 
 async def daemon_transfer(address: str, sizes: list[int], theta: Floats, delta: Floats,
                           chunk_bytes: int, rounds: int, codec_rounds: int,
-                          ) -> dict[str, Any]:
-    learner = BenchLearner(address, "bench-learner", sizes, chunk_bytes)
+                          credentials: tls.TlsMaterial | None = None) -> dict[str, Any]:
+    learner = BenchLearner(address, "bench-learner", sizes, chunk_bytes, credentials)
     try:
         await learner.join()
         thetas, deltas = split(theta, sizes), split(delta, sizes)
@@ -529,11 +532,39 @@ async def daemon_transfer(address: str, sizes: list[int], theta: Floats, delta: 
         best = {mode: max(results, key=lambda r: r["mb_s"]) for mode, results in runs.items()}
         for mode, results in runs.items():
             best[mode]["rounds_mb_s"] = [round(r["mb_s"], 1) for r in results]
-        log("codecs: the same outer gradient pushed with each codec")
-        codecs, _ = await codec_pushes(learner, deltas, version, codec_rounds)
+        codecs: dict[str, Any] = {}
+        if codec_rounds:
+            log("codecs: the same outer gradient pushed with each codec")
+            codecs, _ = await codec_pushes(learner, deltas, version, codec_rounds)
         return {"init_push_s": init_s, **best, "codecs": codecs}
     finally:
         await learner.close()
+
+
+def secure_transfer(tmp: Path, args: argparse.Namespace, sizes: list[int], theta: Floats,
+                    delta: Floats) -> dict[str, Any]:
+    """The timed rounds again, against a daemon that requires client certificates."""
+    log("the same rounds over mutual TLS")
+    make_certificates(tmp / "certs", [], ["bench-learner"])
+    files = {stem: tls.TlsConfig(cert=str(tmp / "certs" / f"{stem}.pem"),
+                                 key=str(tmp / "certs" / f"{stem}.key"),
+                                 ca=str(tmp / "certs" / "ca.pem"))
+             for stem in ("coordinator", "learner-bench-learner")}
+    with daemon_environment(args.daemon_env):
+        daemon = Daemon(state_dir=tmp / "state-tls", args=[
+            "--set", "fsync=false", *tls.as_flags(files["coordinator"])]).start()
+    try:
+        return asyncio.run(daemon_transfer(
+            daemon.address, sizes, theta, delta, args.chunk_bytes, args.rounds, 0,
+            tls.load(files["learner-bench-learner"])))
+    finally:
+        daemon.stop()
+
+
+def tls_best(result: dict[str, Any]) -> dict[str, Any]:
+    best: dict[str, Any] = max(result["sequential"], result["concurrent"],
+                               key=lambda r: r["mb_s"])
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -545,6 +576,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment variable for the daemon process only, e.g. "
                              "MALLOC_TRIM_THRESHOLD_=1073741824 (repeatable)")
+    parser.add_argument("--tls", action="store_true",
+                        help="also run the rounds against a daemon serving mutual TLS, with "
+                             "certificates made for the run, and report tls_ratio")
     parser.add_argument("--raw-repeats", type=int, default=2,
                         help="raw-socket round trips before and after the daemon's; the best "
                              "counts (default 2 each)")
@@ -572,6 +606,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      args.codec_rounds))
             finally:
                 daemon.stop()
+            secured = (secure_transfer(Path(tmp), args, sizes, theta, delta) if args.tls
+                       else None)
         log("reference: bare gRPC echo of raw bytes messages (no protobuf, no daemon)")
         floor = measure_grpc_floor(delta, sink, args.chunk_bytes, args.raw_repeats)
         log(f"  {floor['mb_s']:.0f} MB/s")
@@ -608,6 +644,12 @@ def main(argv: list[str] | None = None) -> None:
         "grpc_floor": floor,
         "init_push_s": result["init_push_s"],
         "codecs": result["codecs"],
+        **({} if secured is None else {
+            # What security costs: the same rounds over mutual TLS, against plaintext.
+            "tls_ratio": tls_best(secured)["mb_s"] / best["mb_s"],
+            "tls_target": 0.8,
+            "tls_mb_s": tls_best(secured)["mb_s"],
+            "tls_sequential": secured["sequential"], "tls_concurrent": secured["concurrent"]}),
         "daemon_env": args.daemon_env,
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     })

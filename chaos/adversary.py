@@ -21,6 +21,7 @@ import numpy as np
 from learner.fragments import plan_fragments
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import tls
 from protos.codec import FP32, iter_chunk_messages
 from protos.events import EventLog
 
@@ -43,8 +44,9 @@ def layout_of(task: str, size: str, fragments: int, dim: int) -> tuple[str, list
 
 class Adversary:
     def __init__(self, address: str, learner_id: str, layout: tuple[str, list[int]],
-                 events: EventLog) -> None:
+                 events: EventLog, credentials: tls.TlsMaterial | None = None) -> None:
         self.address = address
+        self.credentials = credentials
         self.learner_id = learner_id
         self.layout_hash, self.numels = layout
         self.events = events
@@ -53,7 +55,7 @@ class Adversary:
         self.rejected: dict[str, int] = {}
 
     async def run(self, kinds: list[str], every_s: float, duration_s: float) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with tls.aio_channel(self.address, self.credentials) as channel:
             stub = pb_grpc.SynchronizerStub(channel)
             versions = await self._join(stub)
             deadline = time.monotonic() + duration_s
@@ -139,13 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=float, default=0.5, help="seconds between attacks")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--event-log", default="")
+    tls.add_flags(parser, "issued to --learner-id")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds takes a comma-separated subset of {','.join(KINDS)}")
     events = EventLog(args.event_log, source=args.learner_id)
     adversary = Adversary(args.coordinator, args.learner_id,
-                          layout_of(args.task, args.size, args.fragments, args.dim), events)
+                          layout_of(args.task, args.size, args.fragments, args.dim), events,
+                          tls.load(tls.from_flags(args)))
     asyncio.run(adversary.run(kinds, args.every, args.duration))
     print(f"{args.learner_id}: accepted {adversary.accepted}, rejected {adversary.rejected}",
           flush=True)

@@ -209,6 +209,9 @@ class Experiment:
     max_duration_s: float = 300.0
     # Put a fault-injecting TCP proxy between every learner and the coordinator.
     proxy: bool = True
+    # Mutual TLS on every channel (learners, replicas, peers, etcd, the harness's own
+    # Admin calls), with a CA and certificates the run makes under OUT/certs.
+    tls: bool = False
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec)
     etcd: EtcdSpec = field(default_factory=EtcdSpec)
     learners: LearnerSpec = field(default_factory=LearnerSpec)

@@ -40,8 +40,11 @@ from chaos.history import load_log
 from chaos.local import CoordinatorProcess, StartError
 from chaos.metrics import goodput
 from chaos.proxy import ThreadedProxy
+from coordinator.certs import make_certificates
 from protos import ftsync_pb2 as pb
+from protos import tls
 from protos.events import EventLog
+from protos.tls import TlsConfig
 
 # How long a kill waits for its moment (during = "grace" or "push").
 _MOMENT_WAIT_S = 10.0
@@ -89,14 +92,24 @@ class ProcessCluster:
             args += ["--min-quorum", str(spec.min_quorum)]
         for key, value in spec.overrides().items():
             args += ["--set", f"{key}={value}"]
+        self.certs = out / "certs"
+        if experiment.tls:
+            adversaries = {a.target for a in schedule(experiment) if a.fault.kind == "adversary"}
+            # The run's own CA, made anew each run.
+            make_certificates(self.certs, [], [*experiment.learners.ids(), *sorted(adversaries)],
+                              force=True)
+            args += tls.as_flags(self.credentials("coordinator"))
         # Shared by a single coordinator and by replicas (each with its own event log).
         self.coordinator_args = args
         self.admin_token = spec.overrides().get("auth.admin_token", "")
+        self.admin_tls = self.credentials("admin") if experiment.tls else None
         self.coordinator_log = out / "coordinator.events.jsonl"
         self.coordinator = CoordinatorProcess(state_dir=out / "state", args=[
-            "--event-log", str(self.coordinator_log), *args], admin_token=self.admin_token)
+            "--event-log", str(self.coordinator_log), *args], admin_token=self.admin_token,
+            admin_tls=self.admin_tls)
         self.coordinator_up = False
-        self.etcd = (EtcdCluster(out / "etcd", experiment.etcd.members)
+        self.etcd = (EtcdCluster(out / "etcd", experiment.etcd.members,
+                                 tls=self.credentials("coordinator") if experiment.tls else None)
                      if experiment.etcd.members else None)
         # Per replica, its proxies to the etcd members (coordinator.etcd_proxies).
         self.etcd_proxies: list[list[ThreadedProxy]] = []
@@ -108,6 +121,17 @@ class ProcessCluster:
                          for i, lid in enumerate(experiment.learners.ids())]
         self.adversaries: list[subprocess.Popen[str]] = []
         self._skipped: set[tuple[int, int]] = set()
+
+    def credentials(self, stem: str) -> TlsConfig:
+        """The files of one certificate the run made (`learner-ID`, `admin`, ...)."""
+        return TlsConfig(cert=str(self.certs / f"{stem}.pem"),
+                         key=str(self.certs / f"{stem}.key"), ca=str(self.certs / "ca.pem"))
+
+    def tls_flags(self, learner_id: str) -> list[str]:
+        """The flags a learner or an adversary is started with."""
+        if not self.experiment.tls:
+            return []
+        return tls.as_flags(self.credentials(f"learner-{learner_id}"))
 
     # -- processes -------------------------------------------------------------
 
@@ -140,7 +164,8 @@ class ProcessCluster:
                 self.etcd_proxies.append(proxies)
         self.replicas = ReplicaSet(
             self.out, self.etcd.endpoints, count=spec.replicas, args=self.coordinator_args,
-            admin_token=self.admin_token, replica_etcd=[[f"127.0.0.1:{p.port}" for p in proxies]
+            admin_token=self.admin_token, admin_tls=self.admin_tls,
+            replica_etcd=[[f"127.0.0.1:{p.port}" for p in proxies]
                           for proxies in self.etcd_proxies])
         for i, replica in enumerate(self.replicas.replicas):
             replica.start()
@@ -185,7 +210,7 @@ class ProcessCluster:
             "--fragments", str(spec.fragments), "--overlap", str(spec.overlap),
             "--compression", spec.compression, "--threads", str(spec.threads),
             "--seed", str(self.experiment.seed), "--progress-every", "10",
-            "--event-log", str(slot.log), *spec.args]
+            "--event-log", str(slot.log), *self.tls_flags(slot.learner_id), *spec.args]
         if slot.peer_port:
             command += ["--serve-peers", f"127.0.0.1:{slot.peer_port}"] + [
                 arg for other in self.learners if other is not slot
@@ -434,7 +459,7 @@ class ProcessCluster:
              "--learner-id", name, "--task", spec.task, "--size", spec.size,
              "--fragments", str(spec.fragments), "--kinds", ",".join(kinds),
              "--duration", str(duration_s),
-             "--event-log", str(self.out / f"{name}.events.jsonl")],
+             "--event-log", str(self.out / f"{name}.events.jsonl"), *self.tls_flags(name)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
         self.adversaries.append(process)
         self._started("adversary", name, process)

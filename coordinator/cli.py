@@ -20,7 +20,6 @@ from coordinator.durability import StateError
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import tls
-from protos.tls import TlsConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="run as one replica of a highly available synchronizer")
         p.add_argument("--replica-id", help="this replica's name (with --etcd)")
         p.add_argument("--advertise", help="HOST:PORT learners and replicas reach this one at")
-        add_tls_flags(p, "this coordinator's certificate (served to learners, replicas and "
+        tls.add_flags(p, "this coordinator's certificate (served to learners, replicas and "
                          "operators, and presented to etcd and other replicas)")
         p.add_argument("--insecure", action="store_true", default=None,
                        help="serve plaintext on a non-loopback address (tls.insecure)")
@@ -78,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--token", default=os.environ.get("FTSYNC_ADMIN_TOKEN"),
                         help="the daemon's auth.admin_token, if it has one "
                              "(or FTSYNC_ADMIN_TOKEN)")
-    add_tls_flags(status, "an operator's client certificate (admin.pem of `certs`)")
+    tls.add_flags(status, "an operator's client certificate (admin.pem of `certs`)")
     certs.add_argument("--out", required=True, help="directory to write the files into")
     certs.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
                        help="DNS names and IP addresses the coordinator and learners are "
@@ -91,20 +90,6 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--force", action="store_true",
                        help="replace a CA already in --out")
     return parser
-
-
-def add_tls_flags(parser: argparse.ArgumentParser, cert_help: str) -> None:
-    """--tls-cert, --tls-key and --tls-ca, the same on every console script."""
-    parser.add_argument("--tls-cert", metavar="PEM", help=f"TLS certificate: {cert_help}")
-    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    parser.add_argument("--tls-ca", metavar="PEM",
-                        help="CA that signs the other side; on a server, client "
-                             "certificates are then required (mutual TLS)")
-
-
-def tls_flags(args: argparse.Namespace) -> TlsConfig:
-    """The TLS settings the flags give; raises ValueError for a half-given pair."""
-    return TlsConfig(cert=args.tls_cert or "", key=args.tls_key or "", ca=args.tls_ca or "")
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -157,7 +142,7 @@ def _certs(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     console = Console()
     try:
-        material = tls.load(tls_flags(args))
+        material = tls.load(tls.from_flags(args))
     except (ValueError, tls.TlsError) as exc:
         console.print(f"[red]ftsync-coordinator status: {exc}[/red]")
         return 2

@@ -26,10 +26,9 @@ from learner.client import Refused, Retry, SynchronizerClient
 from learner.peers import TRANSPORTS, PeerSettings
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
+from protos import tls
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
-from protos.tls import TlsConfig
-from protos.tls import load as load_tls
 
 TASK_CHOICES = ("lm-stdlib", "digits", "synthetic")
 
@@ -42,9 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
         args.peer_settings = PeerSettings(peers=tuple(args.peers), serve=args.serve_peers,
                                           transport=args.peer_transport, insecure=args.insecure)
-        args.tls = TlsConfig(cert=args.tls_cert or "", key=args.tls_key or "",
-                             ca=args.tls_ca or "", insecure=args.insecure)
-        args.tls_material = load_tls(args.tls)
+        args.tls = tls.from_flags(args, insecure=args.insecure)
+        args.tls_material = tls.load(args.tls)
     except (CodecError, ValueError) as exc:
         parser.error(str(exc))
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
@@ -106,13 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                              "(port 0: any free port, printed at start)")
     parser.add_argument("--peer-transport", default="bulk", choices=TRANSPORTS,
                         help="how to fetch from peers: bulk (raw TCP beside gRPC) or grpc")
-    parser.add_argument("--tls-cert", metavar="PEM",
-                        help="TLS certificate issued to this learner's id: presented to the "
-                             "coordinator, etcd and peers, and served to peers")
-    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    parser.add_argument("--tls-ca", metavar="PEM",
-                        help="CA that signs the coordinator's and the peers' certificates "
-                             "(turns TLS on); peers then require client certificates")
+    tls.add_flags(parser, "issued to this learner's id: presented to the coordinator, etcd "
+                          "and peers, and served to peers",
+                  "CA that signs the coordinator's and the peers' certificates (turns TLS "
+                  "on); peers then require client certificates")
     parser.add_argument("--insecure", action="store_true",
                         help="serve peers plaintext on a non-loopback --serve-peers address")
     parser.add_argument("--event-log", default="", help="append JSONL events here")

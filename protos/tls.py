@@ -17,6 +17,7 @@ a server on any other address needs TLS or an explicit `insecure`
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import socket
@@ -146,6 +147,30 @@ def _check_validity(certificate: x509.Certificate, what: str, now: datetime.date
     if now < certificate.not_valid_before_utc:
         raise TlsError(f"{what} is not valid before "
                        f"{certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC")
+
+
+# -- the command-line flags -----------------------------------------------------------
+
+
+def add_flags(parser: argparse.ArgumentParser, cert_help: str,
+              ca_help: str = "CA that signs the other side; on a server, client certificates "
+                             "are then required (mutual TLS)") -> None:
+    """--tls-cert, --tls-key and --tls-ca, the same on every console script."""
+    parser.add_argument("--tls-cert", metavar="PEM", help=f"TLS certificate: {cert_help}")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-ca", metavar="PEM", help=ca_help)
+
+
+def from_flags(args: argparse.Namespace, insecure: bool = False) -> TlsConfig:
+    """The settings the flags give; ValueError for a certificate without its key."""
+    return TlsConfig(cert=args.tls_cert or "", key=args.tls_key or "", ca=args.tls_ca or "",
+                     insecure=insecure)
+
+
+def as_flags(config: TlsConfig) -> list[str]:
+    """The flags that give `config` to another ftsync process."""
+    flags = ["--tls-cert", config.cert, "--tls-key", config.key] if config.cert else []
+    return [*flags, "--tls-ca", config.ca] if config.ca else flags
 
 
 # -- plaintext only on loopback ------------------------------------------------------

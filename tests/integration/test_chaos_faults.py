@@ -227,3 +227,25 @@ def test_replicas_with_an_admin_token_are_still_watched(tmp_path: Path) -> None:
     faults = [e for e in events if e["kind"] == "fault" and e["fault"] == "kill_leader"]
     assert [f["action"] for f in faults] == ["inject", "heal"]
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
+
+
+@pytest.mark.parametrize("kind", ["kill_learner", "pause_leader", "adversary"])
+def test_a_fault_is_survived_with_mutual_tls_on_every_channel(tmp_path: Path, kind: str) -> None:
+    """`tls = true`: the run makes its CA and certificates; learners reach the
+    coordinator (or the leader, found in etcd) and their peers over mutual TLS,
+    replicas replicate and talk to etcd over it, and the adversary needs its own
+    certificate to be refused for what it sends rather than for who it is."""
+    text = experiment_text(kind)
+    text = text.replace("proxy = false", "proxy = false\ntls = true") if kind in HA_FAULTS \
+        else text.replace("max_duration_s = 60", "max_duration_s = 60\ntls = true")
+    events, summary = run(tmp_path, kind, text)
+    assert all(check["passed"] for check in summary["checks"]), summary["checks"]
+    assert (tmp_path / "out" / "certs" / "ca.pem").exists()
+    assert not any(e["kind"] == "reject" and e["reason"] == "unauthenticated" for e in events)
+    if kind == "kill_learner":
+        caught_up = [e for e in events if e["kind"] == "catch_up" and e["source"] == "learner-0"]
+        assert any(source.startswith("127.0.0.1:") for e in caught_up
+                   for source in e["sources"].values()), "no fragment came from the peer"
+    if kind == "adversary":
+        rejects = {e["reason"] for e in events if e["kind"] == "reject"}
+        assert {"not_finite", "bad_shape", "norm_bound"} <= rejects

@@ -40,7 +40,7 @@ def test_the_shipped_set_is_complete() -> None:
     assert {p.stem for p in EXPERIMENTS} >= {
         "quickstart", "quickstart-sync", "learner-storm", "stragglers", "partition",
         "adversarial", "coordinator-restart", "ha-leader-kill", "ha-partition-leader",
-        "ha-etcd-member-kill"}
+        "ha-etcd-member-kill", "ha-secure"}
 
 
 @pytest.mark.parametrize(("fault", "needles"), [
