@@ -653,14 +653,14 @@ class Engine:
             sync_s = self.clock() - started
             policy.record_sync_time(fragment, sync_s)
         attrs = {"fragment": str(fragment)}
-        self.metrics.rounds.add(1, attrs)
+        self.metrics.rounds.add(1, {**attrs, "why": close.why})
         self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
         self.metrics.grace.record(close.grace_s, attrs)
         self.metrics.sync_time.record(sync_s, attrs)
         fields: dict[str, Any] = {"epoch": epoch} if self.config.ha.enabled else {}
         self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
                          quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
-                         sync_s=sync_s, **fields)
+                         sync_s=sync_s, why=close.why, **fields)
 
     # -- status -----------------------------------------------------------------
 

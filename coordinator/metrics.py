@@ -40,7 +40,7 @@ class Metrics:
         self.provider = MeterProvider(metric_readers=readers)
         meter = self.provider.get_meter("ftsync.coordinator")
         self.rounds = meter.create_counter(
-            "ftsync_rounds", description="rounds committed, per fragment")
+            "ftsync_rounds", description="rounds committed, per fragment and why each closed")
         self.contributions = meter.create_counter(
             "ftsync_contributions", description="contributions folded into a round")
         self.rejections = meter.create_counter(

@@ -30,6 +30,10 @@ from coordinator.errors import Reason, Rejected
 from coordinator.membership import HeartbeatTable, Membership
 
 MergeRule = Literal["mean", "rda"]
+# Why a round closed: every live learner had contributed, its grace window ran
+# out, or it reached quorum with no grace window to wait (sync mode, or no time
+# left in the budget).
+CloseReason = Literal["all_live", "grace_ended", "no_grace"]
 
 # Smoothing of the running timing estimates (ξ_step, ξ_sync).
 _EWMA = 0.3
@@ -115,6 +119,7 @@ class RoundClose:
     quorum_at: float
     closed_at: float
     grace_s: float
+    why: CloseReason
 
     @property
     def total_weight(self) -> float:
@@ -351,6 +356,8 @@ class Policy:
         if not self._is_due(frag, now):
             raise ValueError(f"round of fragment {fragment} is not due at {now}")
         assert rnd.opened_at is not None and rnd.quorum_at is not None
+        why: CloseReason = ("all_live" if self.live_learners(now) <= rnd.learners()
+                            else "no_grace" if rnd.grace_s == 0 else "grace_ended")
         for c in rnd.contributions:
             frag.merged_seq[c.id.learner_id] = max(
                 frag.merged_seq.get(c.id.learner_id, 0), c.id.seq)
@@ -358,7 +365,8 @@ class Policy:
         frag.round = _Round(version=rnd.version + 1)
         return RoundClose(fragment=fragment, version=rnd.version,
                           manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
-                          quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s)
+                          quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s,
+                          why=why)
 
     def record_sync_time(self, fragment: int, seconds: float) -> None:
         """Feed back how long merging and publishing a version took (ξ_sync)."""

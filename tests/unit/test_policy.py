@@ -103,6 +103,7 @@ def test_quorum_two_of_three_waits_for_the_grace_deadline() -> None:
     assert {c.id.learner_id for c in closed.manifest} == {"a", "b"}
     assert (closed.opened_at, closed.quorum_at, closed.closed_at) == (1.0, 2.0, 6.0)
     assert closed.grace_s == 4.0
+    assert closed.why == "grace_ended"
     assert policy.version(0) == 1
     assert policy.round_learners(0) == frozenset()
     assert policy.watermarks(0) == {"a": 1, "b": 1}
@@ -119,6 +120,7 @@ def test_quorum_two_of_three_closes_early_when_the_third_contributes() -> None:
     assert policy.due(3.0) == [0]
     closed = policy.close(0, 3.0)
     assert closed.closed_at == 3.0
+    assert closed.why == "all_live"
     assert {c.id.learner_id for c in closed.manifest} == {"a", "b", "c"}
 
 
@@ -139,7 +141,9 @@ def test_second_contribution_from_same_learner_does_not_make_quorum() -> None:
     assert policy.due(1e6) == []
     contribute(policy, 3.0, "b", seq=1)
     assert policy.due(3.0) == [0]
-    assert len(policy.close(0, 3.0).manifest) == 3
+    closed = policy.close(0, 3.0)
+    assert len(closed.manifest) == 3
+    assert closed.why == "no_grace"  # c is live and has not contributed
 
 
 def _policy_with_known_step_times(config: PolicyConfig) -> Policy:
@@ -549,6 +553,7 @@ def test_sync_mode_closes_exactly_when_all_contributed() -> None:
     assert policy.due(3.0) == [0]
     closed = policy.close(0, 3.0)
     assert closed.grace_s == 0.0
+    assert closed.why == "all_live"
     assert len({c.id.learner_id for c in closed.manifest}) == 3
 
 
