@@ -25,7 +25,6 @@ import math
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -114,9 +113,6 @@ class Engine:
         self.metrics = Metrics(config.metrics)
         self.events = EventLog(config.event_log)
         self.learners: dict[str, LearnerStats] = {}
-        self.rejections: Counter[str] = Counter()
-        self.bytes_in = 0
-        self.bytes_out = 0
         self.run: RunRecord | None = None
         self.store: FragmentStore | None = None
         self.policy: Policy | None = None
@@ -458,7 +454,6 @@ class Engine:
                                                    prescale)
             stats = self.learners.setdefault(header.learner_id, LearnerStats())
             stats.bytes_in += nbytes
-            self.bytes_in += nbytes
             self.metrics.bytes_in.add(nbytes)
             async with store.lock(p):
                 if header.init:
@@ -588,7 +583,6 @@ class Engine:
         return self._store().snapshot()
 
     def count_sent(self, nbytes: int) -> None:
-        self.bytes_out += nbytes
         self.metrics.bytes_out.add(nbytes)
 
     def _check_pull(self, learner_id: str, fragment: int) -> None:
@@ -666,13 +660,15 @@ class Engine:
 
     def status(self) -> pb.StatusResponse:
         now = self.clock()
+        counts = self.metrics.counts()  # the instruments themselves, not a copy kept here
         response = pb.StatusResponse(
             run_id=self.run.run_id if self.run else "", uptime_s=now - self.started_at,
-            min_quorum=self.config.policy.min_quorum, bytes_in=self.bytes_in,
-            bytes_out=self.bytes_out, layout_hash=self.run.layout_hash if self.run else "",
+            min_quorum=self.config.policy.min_quorum, bytes_in=counts.total("ftsync_bytes_in"),
+            bytes_out=counts.total("ftsync_bytes_out"),
+            layout_hash=self.run.layout_hash if self.run else "",
             role=self.role, epoch=self.epoch if self.role == "leader" else self.known_epoch,
             leader=self.leader_address, replica_id=self.replica_id)
-        response.rejections.update(self.rejections)
+        response.rejections.update(counts.by("ftsync_rejections", "reason"))
         policy, store = self.policy, self.store
         if policy is None or store is None:
             return response
@@ -728,7 +724,6 @@ class Engine:
     def record_rejection(self, rpc: str, learner_id: str, rejected: Rejected,
                          **context: Any) -> None:
         """Count a refusal in metrics and the event log; the one place that does."""
-        self.rejections[rejected.reason.value] += 1
         self.metrics.rejections.add(1, {"reason": rejected.reason.value, "rpc": rpc})
         if learner_id in self.learners:
             self.learners[learner_id].rejections += 1

@@ -2,30 +2,91 @@
 
 One place names every instrument, so the proto, the logs and the dashboards
 share one vocabulary. Exported to Prometheus (a scrape endpoint on
-127.0.0.1) and/or periodically to the console, as the config says; with
-neither, the instruments still count (at negligible cost) for `Status`.
+127.0.0.1) and/or periodically to the console, as the config says.
+`Admin.Status` reads its daemon-wide counts from these same instruments
+(`counts()`, through an in-memory reader), so with no exporter at all they
+still count, at negligible cost.
+
+Each time histogram has buckets that fit what it measures (`VIEWS`): the
+SDK's default boundaries (0, 5, 10, 25, ... 10000) put every quorum wait,
+grace window and sync time of a healthy run in the first bucket or two,
+which leaves nothing to take a percentile from.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
+    InMemoryMetricReader,
     MetricReader,
+    MetricsData,
+    NumberDataPoint,
     PeriodicExportingMetricReader,
 )
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from coordinator.config import MetricsConfig
+
+# Seconds, from the milliseconds of a small fragment to the minutes a quorum of
+# slow learners can take (a round waits for K learners' next due push).
+QUORUM_WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Seconds granted: clamped to policy.grace_max_s (5 s by default); 0 in sync mode.
+GRACE_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0,
+                 7.5, 10.0, 15.0, 30.0, 60.0)
+# Seconds of merge, outer step and durable write: milliseconds for a small
+# fragment, seconds for a large one fsynced to a slow disk.
+SYNC_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0, 30.0)
+# Whole versions, refused beyond policy.max_staleness (8 by default).
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
+
+VIEWS = [
+    View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(buckets))
+    for name, buckets in (("ftsync_quorum_wait", QUORUM_WAIT_BUCKETS),
+                          ("ftsync_grace", GRACE_BUCKETS),
+                          ("ftsync_sync_time", SYNC_TIME_BUCKETS),
+                          ("ftsync_staleness", STALENESS_BUCKETS))
+]
+
+
+class Counts:
+    """The counters' values at one collection, summed over the attributes not asked for."""
+
+    def __init__(self, data: MetricsData | None) -> None:
+        self._points: dict[str, list[NumberDataPoint]] = {}
+        for resource in data.resource_metrics if data is not None else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    points = [p for p in metric.data.data_points
+                              if isinstance(p, NumberDataPoint)]
+                    self._points.setdefault(metric.name, []).extend(points)
+
+    def total(self, name: str) -> int:
+        return int(sum(p.value for p in self._points.get(name, ())))
+
+    def by(self, name: str, key: str) -> Counter[str]:
+        """`name`'s values per value of attribute `key`."""
+        found: Counter[str] = Counter()
+        for point in self._points.get(name, ()):
+            attributes = point.attributes or {}
+            if key in attributes:
+                found[str(attributes[key])] += int(point.value)
+        return found
 
 
 class Metrics:
     """The daemon's instruments; `close()` stops exporters and the HTTP endpoint."""
 
     def __init__(self, config: MetricsConfig) -> None:
-        readers: list[MetricReader] = []
+        # What Status reads: cumulative sums since start, whatever else exports.
+        self._status_reader = InMemoryMetricReader()
+        readers: list[MetricReader] = [self._status_reader]
         self._http_server: Any = None
         if config.prometheus_port:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -37,7 +98,7 @@ class Metrics:
             readers.append(PeriodicExportingMetricReader(
                 ConsoleMetricExporter(out=sys.stderr),
                 export_interval_millis=int(config.console_interval_s * 1000)))
-        self.provider = MeterProvider(metric_readers=readers)
+        self.provider = MeterProvider(metric_readers=readers, views=VIEWS)
         meter = self.provider.get_meter("ftsync.coordinator")
         self.rounds = meter.create_counter(
             "ftsync_rounds", description="rounds committed, per fragment and why each closed")
@@ -64,6 +125,10 @@ class Metrics:
             "ftsync_bytes_in", unit="By", description="tensor bytes received")
         self.bytes_out = meter.create_counter(
             "ftsync_bytes_out", unit="By", description="tensor bytes sent")
+
+    def counts(self) -> Counts:
+        """Every counter's value now, from the instruments themselves."""
+        return Counts(self._status_reader.get_metrics_data())
 
     def close(self) -> None:
         self.provider.shutdown()

@@ -797,3 +797,31 @@ def test_rejections_reach_prometheus_with_their_reason(start_daemon: StartDaemon
                if line.startswith("ftsync_rejections") and 'reason="not_finite"' in line]
     assert samples, f"no ftsync_rejections sample with reason not_finite in:\n{text}"
     assert any(float(line.rsplit(" ", 1)[1]) == 1.0 for line in samples), samples
+
+
+def test_time_histograms_have_buckets_that_fit_what_they_measure(
+        start_daemon: StartDaemon) -> None:
+    """With the SDK's default buckets (0, 5, 10, ...) every quorum wait, grace window and
+    sync time of a healthy run lands in le="5.0"; the views give each its own range."""
+    port = free_port()
+    daemon = started(start_daemon, "--prometheus-port", str(port))
+    contribute_and_commit(daemon, seq=2)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+
+    def bucket(metric: str, le: str) -> float:
+        lines = [line for line in text.splitlines()
+                 if line.startswith(f"{metric}_bucket{{") and f'le="{le}"' in line]
+        assert lines, f"no {metric} bucket le={le} in:\n{text}"
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    # One learner: quorum at once, staleness 0, the round closed when it contributed.
+    assert bucket("ftsync_quorum_wait_seconds", "0.0") == 1.0
+    assert bucket("ftsync_quorum_wait_seconds", "0.001") == 1.0
+    assert bucket("ftsync_staleness", "0.0") == 1.0
+    # No step time known yet: the grace granted is grace_max_s (0.2 s here).
+    assert bucket("ftsync_grace_seconds", "0.1") == 0.0
+    assert bucket("ftsync_grace_seconds", "0.25") == 1.0
+    assert bucket("ftsync_sync_time_seconds", "30.0") == 1.0
+    rounds = [line for line in text.splitlines() if line.startswith("ftsync_rounds_total{")]
+    assert any('why="all_live"' in line for line in rounds), rounds
