@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from coordinator.certs import CertsError, make_certificates
-from coordinator.config import ConfigError, CoordinatorConfig, load, parse_overrides
+from coordinator.config import ConfigError, CoordinatorConfig, describe, load, parse_overrides
 from coordinator.durability import StateError
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_status(args))
     if args.command == "certs":
         sys.exit(_certs(args))
+    if args.check_config:
+        sys.exit(_check_config(args))
     try:
         config = _config(args)
     except ConfigError as exc:
@@ -71,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve plaintext on a non-loopback address (tls.insecure)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override any config key, e.g. policy.gamma=0.3")
+        p.add_argument("--check-config", action="store_true",
+                       help="check the flags, the config and the files it names (tokens, "
+                            "TLS), print the configuration and exit: 0 valid, 2 not")
     status.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
     status.add_argument("--once", action="store_true", help="print one table and exit")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
@@ -119,6 +124,26 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
         endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
         overrides["ha.etcd"] = "[" + ", ".join(_toml_literal(e) for e in endpoints) + "]"
     return load(CoordinatorConfig, args.config, overrides)
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """What a start checks before it touches anything, and nothing more: the state
+    directory, etcd and the ports are not looked at, so it runs anywhere the
+    files are (a pod's init container, a test)."""
+    try:
+        config = _config(args)
+        config.tokens()
+        material = tls.load(config.tls)
+        tls.require_tls_off_loopback(config.listen, material, config.tls.insecure,
+                                     "ftsync-coordinator")
+        if material is not None and not material.can_serve:
+            raise tls.TlsError("tls.ca alone is not enough to serve TLS; give tls.cert and "
+                               "tls.key too")
+    except ValueError as exc:  # ConfigError and TlsError
+        print(f"ftsync-coordinator: {exc}", file=sys.stderr)
+        return 2
+    print(describe(config))
+    return 0
 
 
 def _toml_literal(value: object) -> str:

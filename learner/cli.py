@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from learner.client import Refused, Retry, SynchronizerClient
 from learner.peers import TRANSPORTS, PeerSettings
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
-from protos import tls
+from protos import discovery, tls
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                                           transport=args.peer_transport, insecure=args.insecure)
         args.tls = tls.from_flags(args, insecure=args.insecure)
         args.tls_material = tls.load(args.tls)
+        _check_addresses(args.coordinator, args.peers)
     except (CodecError, ValueError) as exc:
         parser.error(str(exc))
     if args.steps < 1 or args.fragments < 1 or not 0 <= args.shard < args.num_shards:
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "synthetic" and args.fragments > args.dim:
         parser.error(f"--fragments {args.fragments} exceeds --dim {args.dim}: every "
                      f"fragment needs at least one parameter")
+    if args.check_config:
+        print(_describe(parser, args))
+        sys.exit(0)
     run = run_synthetic if args.task == "synthetic" else run_task
     code = run(args)
     # The run is left and every log flushed. Tearing torch and gRPC down at interpreter
@@ -116,7 +121,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress-every", type=int, default=50, help="steps between lines")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="held-out evaluation every N steps (0: start and end only)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="check every flag and the TLS files, print the settings and exit "
+                             "(0 valid, 2 not) without connecting or looking for --device")
     return parser
+
+
+def _check_addresses(coordinator: str, peers: list[str]) -> None:
+    """HOST:PORT each, so that a typo stops the start instead of being retried for
+    --connect-timeout as an unreachable coordinator."""
+    addresses = (discovery.parse_etcd_url(coordinator)[0] if coordinator.startswith("etcd://")
+                 else _addresses(coordinator))
+    if not addresses:
+        raise ValueError(f"--coordinator {coordinator!r} names no address")
+    for address in [*addresses, *peers]:
+        if not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", address):
+            raise ValueError(f"{address!r} is not HOST:PORT")
+
+
+def _describe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The settings as `flag = value` lines; the token only as set or not."""
+    lines = []
+    for action in parser._actions:
+        if action.dest in ("help", "check_config"):
+            continue
+        value = getattr(args, action.dest)
+        if action.dest == "token":
+            value = "<set>" if value else "<none>"
+        lines.append(f"{action.option_strings[-1]} = {value!r}")
+    return "\n".join(lines)
 
 
 def _addresses(value: str) -> list[str]:

@@ -1,0 +1,39 @@
+"""`--check-config` of ftsync-coordinator and ftsync-learner: what a start would
+refuse, refused before anything is bound, dialled or written; a valid set-up
+printed (secrets only as set or not). tests/unit/test_k8s.py runs the
+Kubernetes manifests' command lines through it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coordinator.certs import make_certificates
+from tests.cli import run_check
+
+
+def test_coordinator_check_config_checks_what_a_start_checks(tmp_path: Path) -> None:
+    make_certificates(tmp_path / "certs", [], [])
+    code, out, _ = run_check(["ftsync-coordinator", "--listen", "0.0.0.0:50051", "--insecure"])
+    assert code == 0 and "tls.insecure = True" in out
+    refusals = {
+        "without TLS": ["--listen", "0.0.0.0:50051"],
+        "tls.ca alone": ["--tls-ca", str(tmp_path / "certs" / "ca.pem")],
+        "not a PEM certificate": ["--tls-ca", str(tmp_path / "empty.pem")],
+        "cannot read config": ["--config", str(tmp_path / "none.toml")],
+        "tokens_file": ["--set", f"auth.tokens_file={tmp_path / 'none.toml'}"],
+        "unknown key 'policy.quorum'": ["--set", "policy.quorum=2"],
+    }
+    (tmp_path / "empty.pem").write_text("")
+    for words, args in refusals.items():
+        code, out, err = run_check(["ftsync-coordinator", "serve", *args])
+        assert code == 2 and words in err and not out, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_learner_check_config_refuses_an_address_without_a_port() -> None:
+    code, out, _ = run_check(["ftsync-learner", "--coordinator", "etcd://e-0:2379,e-1:2379/run",
+                              "--token", "secret", "--device", "cuda:7"])
+    assert code == 0 and "--token = '<set>'" in out and "secret" not in out
+    for address in ("coordinator", "c:50051,c2", "etcd://e-0/run", "etcd:///run", "a b:1"):
+        code, _, err = run_check(["ftsync-learner", "--coordinator", address])
+        assert code == 2, (address, err)
