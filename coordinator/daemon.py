@@ -21,7 +21,7 @@ from coordinator.engine import Engine
 from coordinator.ha import Replica
 from coordinator.service import AdminService, ReplicationService, SynchronizerService
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import tls
+from protos import telemetry, tls
 from protos.codec import MAX_CHUNK_BYTES
 
 # gRPC's own limit sits above ours, so an oversize chunk between the two
@@ -51,6 +51,8 @@ def tune_allocator() -> None:
 async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set or a termination signal arrives."""
     tune_allocator()
+    # Spans go where OTEL_EXPORTER_OTLP_ENDPOINT (or FTSYNC_TRACE_CONSOLE) says; else none.
+    telemetry.configure_tracing("ftsync-coordinator", config.ha.replica_id or config.listen)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

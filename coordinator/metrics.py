@@ -2,7 +2,8 @@
 
 One place names every instrument, so the proto, the logs and the dashboards
 share one vocabulary. Exported to Prometheus (a scrape endpoint on
-127.0.0.1) and/or periodically to the console, as the config says.
+127.0.0.1), periodically to the console, and over OTLP when
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set, as the config and the environment say.
 `Admin.Status` reads its daemon-wide counts from these same instruments
 (`counts()`, through an in-memory reader), so with no exporter at all they
 still count, at negligible cost.
@@ -31,6 +32,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
 from coordinator.config import MetricsConfig
+from protos import telemetry
 
 # Seconds, from the milliseconds of a small fragment to the minutes a quorum of
 # slow learners can take (a round waits for K learners' next due push).
@@ -86,7 +88,7 @@ class Metrics:
     def __init__(self, config: MetricsConfig) -> None:
         # What Status reads: cumulative sums since start, whatever else exports.
         self._status_reader = InMemoryMetricReader()
-        readers: list[MetricReader] = [self._status_reader]
+        readers: list[MetricReader] = [self._status_reader, *telemetry.otlp_metric_readers()]
         self._http_server: Any = None
         if config.prometheus_port:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -98,7 +100,8 @@ class Metrics:
             readers.append(PeriodicExportingMetricReader(
                 ConsoleMetricExporter(out=sys.stderr),
                 export_interval_millis=int(config.console_interval_s * 1000)))
-        self.provider = MeterProvider(metric_readers=readers, views=VIEWS)
+        self.provider = MeterProvider(metric_readers=readers, views=VIEWS,
+                                      resource=telemetry.resource("ftsync-coordinator"))
         meter = self.provider.get_meter("ftsync.coordinator")
         self.rounds = meter.create_counter(
             "ftsync_rounds", description="rounds committed, per fragment and why each closed")

@@ -5,6 +5,10 @@ metadata), turns protobuf into engine calls and back, and maps every
 `Rejected` to a gRPC status here, in one table. A standby's refusal also
 names the leader in the `ftsync-leader` trailing metadata, so learners can
 follow it without parsing the message. No policy lives here.
+
+A push is traced as an `ftsync.admit` span whose parent is the learner's push
+span, named by the W3C `traceparent` in the call's metadata; a pull names the
+round span that committed the version it serves (`ftsync-commit-trace`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.engine import Engine, FragmentView
 from coordinator.errors import Cut, NotLeader, Reason, Rejected
@@ -21,6 +27,7 @@ from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos import telemetry
 from protos.codec import codec_named, iter_chunk_messages
 from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
@@ -56,6 +63,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
 }
 
 _FP32 = codec_named("fp32")
+_TRACER = trace.get_tracer(__name__)
 
 
 def bearer_token(context: Context) -> str | None:
@@ -113,6 +121,13 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
 
     async def PushFragment(self, request_iterator: AsyncIterator[pb.PushMessage],
                            context: Context) -> pb.PushResponse:
+        with _TRACER.start_as_current_span(
+                "ftsync.admit", context=telemetry.extract(context.invocation_metadata()),
+                kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False):
+            return await self._push_fragment(request_iterator, context)
+
+    async def _push_fragment(self, request_iterator: AsyncIterator[pb.PushMessage],
+                             context: Context) -> pb.PushResponse:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
             if not self.engine.token_accepted(bearer_token(context), peer_names(context)):
@@ -127,6 +142,10 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 Reason.MALFORMED, "a push stream starts with a header message"))
         assert first is not None
         header = first.header
+        trace.get_current_span().set_attributes({
+            "ftsync.learner": header.learner_id, "ftsync.fragment": header.fragment,
+            "ftsync.seq": header.seq, "ftsync.base_version": header.base_version,
+            "ftsync.init": header.init})
 
         async def push() -> pb.PushResponse:
             result = await self.engine.push(header, request_iterator)
@@ -153,6 +172,9 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 fragment=request.fragment, version=request.have_version, not_modified=True,
                 epoch=self.engine.epoch))
             return
+        if published.trace is not None:
+            await context.send_initial_metadata(
+                ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
         async for message in self._stream(request.learner_id, request.fragment, published):
             yield message
 
@@ -202,6 +224,9 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                      rejected: Rejected, **event_fields: object) -> NoReturn:
         if not isinstance(rejected, Cut):  # a cut is counted where it was cut
             self.engine.record_rejection(rpc, learner_id, rejected, **event_fields)
+        span = trace.get_current_span()  # the admit span of a push; none otherwise
+        span.set_attribute("ftsync.reason", rejected.reason.value)
+        span.set_status(Status(StatusCode.ERROR, rejected.message))
         await abort(context, rejected)
 
 

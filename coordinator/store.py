@@ -13,6 +13,12 @@ it is published: high availability replicates the version there and checks
 that this replica still leads; a guard that raises leaves the version
 unpublished. Called by `coordinator.engine`; heavy numpy work runs in
 worker threads.
+
+Each fold is a span under the push's admit span, and each commit a round
+span linking to the admit spans of every contribution it merges (one round
+merges many traces), with the merge, outer step, durable write, replication
+and publish under it; the published version keeps the round span's context,
+so a learner's apply span can link to the commit.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 
 from coordinator.config import OuterConfig
 from coordinator.durability import FragmentRecord, StateDir, StateError, new_commit_id
 from coordinator.merge import Accumulator, outer_step
 from coordinator.policy import MergeRule, RoundClose
+from protos import telemetry
 
 # Awaited with each durable record before it is published; raises to stop that.
 Guard = Callable[[FragmentRecord], Awaitable[None]]
+
+_TRACER = trace.get_tracer(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class Published:
     watermarks: dict[str, int]
     committed_at: float
     commit_id: int
+    # The round span that committed it (None for version 0 or when not tracing).
+    trace: SpanContext | None = None
 
 
 @dataclass
@@ -57,6 +70,8 @@ class _Slot:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     commits: int = 0
     merged: int = 0
+    # The admit spans of the contributions folded into the open round.
+    admits: list[SpanContext] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.accumulator = Accumulator(self.rule)
@@ -221,7 +236,13 @@ class FragmentStore:
         """Fold a complete, validated contribution (`prescaled · v`) into the open
         round. Hold the lock. Returns the staging buffer if it can go back to the pool."""
         slot = self.slots[fragment]
-        spare = await asyncio.to_thread(slot.accumulator.fold, values, weight, norm, prescaled)
+        admit = trace.get_current_span().get_span_context()
+        with _TRACER.start_as_current_span("ftsync.fold", attributes={
+                "ftsync.fragment": fragment, "ftsync.weight": weight, "ftsync.norm": norm}):
+            spare = await asyncio.to_thread(slot.accumulator.fold, values, weight, norm,
+                                            prescaled)
+        if admit.is_valid:
+            slot.admits.append(admit)
         slot.merged += 1
         return spare
 
@@ -232,27 +253,39 @@ class FragmentStore:
         old = slot.published
         assert old is not None and slot.momentum is not None
         accumulator, slot.accumulator = slot.accumulator, Accumulator(slot.rule)
+        admits, slot.admits = slot.admits, []
         watermarks = dict(old.watermarks)
         for c in close.manifest:
             watermarks[c.id.learner_id] = max(watermarks.get(c.id.learner_id, 0), c.id.seq)
         momentum = slot.momentum
 
         def merge_and_write() -> tuple[FragmentRecord, int]:
-            delta = accumulator.result(close.total_weight)
-            params = outer_step(self.outer, old.params, momentum, delta)
+            with _TRACER.start_as_current_span("ftsync.merge"):
+                delta = accumulator.result(close.total_weight)
+            with _TRACER.start_as_current_span("ftsync.outer_step"):
+                params = outer_step(self.outer, old.params, momentum, delta)
             record = FragmentRecord(close.fragment, close.version, params, momentum,
                                     watermarks, manifest, epoch, new_commit_id())
-            return record, self.state.save_fragment(record)
+            with _TRACER.start_as_current_span("ftsync.durable_write") as write:
+                written = self.state.save_fragment(record)
+                write.set_attribute("ftsync.bytes", written)
+            return record, written
 
-        record, written = await asyncio.to_thread(merge_and_write)
-        self.bytes_written += written
-        if guard is not None:
-            await guard(record)
-        params = record.params
-        slot.commits += 1
-        return await self._publish(
-            slot, Published(close.version, params, watermarks, time.monotonic(),
-                            record.commit_id))
+        with _TRACER.start_as_current_span("ftsync.round_close", links=telemetry.links(admits),
+                                           attributes=_round_attributes(close)) as span:
+            record, written = await asyncio.to_thread(merge_and_write)
+            self.bytes_written += written
+            if guard is not None:
+                with _TRACER.start_as_current_span("ftsync.replicate"):
+                    await guard(record)
+            params = record.params
+            slot.commits += 1
+            round_span = span.get_span_context()
+            with _TRACER.start_as_current_span("ftsync.publish"):
+                return await self._publish(
+                    slot, Published(close.version, params, watermarks, time.monotonic(),
+                                    record.commit_id,
+                                    round_span if round_span.is_valid else None))
 
     async def wait_newer(self, fragment: int, have_version: int,
                          timeout: float) -> Published | None:
@@ -275,3 +308,11 @@ class FragmentStore:
         async with slot.changed:
             slot.changed.notify_all()
         return published
+
+
+def _round_attributes(close: RoundClose) -> dict[str, Any]:
+    return {"ftsync.fragment": close.fragment, "ftsync.version": close.version,
+            "ftsync.round.why": close.why, "ftsync.round.contributions": len(close.manifest),
+            "ftsync.round.learners": len({c.id.learner_id for c in close.manifest}),
+            "ftsync.round.quorum_wait_s": close.quorum_at - close.opened_at,
+            "ftsync.round.grace_s": close.grace_s}

@@ -36,8 +36,11 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, SpanKind
 
-from protos import discovery
+from learner.metrics import LearnerMetrics
+from protos import discovery, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import Codec, codec_named, iter_chunk_messages
@@ -72,6 +75,8 @@ FAILOVER_WINDOW_S = 10.0
 _HEARTBEAT_DEADLINE_S = 2.0
 # How often to read the leader record while waiting for it to change.
 _ETCD_POLL_S = 0.1
+
+_TRACER = trace.get_tracer(__name__)
 
 
 class _WrongReplica(Exception):
@@ -138,6 +143,8 @@ class Pulled:
     commit_id: int
     # The coordinator's newest version, older than the one asked past: it lost versions.
     rewound: bool = False
+    # The coordinator's span of the round that committed it, when it says.
+    trace: SpanContext | None = None
 
 
 @dataclass
@@ -156,8 +163,10 @@ class SynchronizerClient:
                  numels: list[int], *, token: str | None = None, overlap_steps: int = 1,
                  codec: str = "fp32", retry: Retry | None = None,
                  events: EventLog | None = None, device: str = "cpu",
-                 tls: TlsMaterial | None = None) -> None:
+                 tls: TlsMaterial | None = None, metrics: LearnerMetrics | None = None) -> None:
         self.learner_id = learner_id
+        # Exported over OTLP when the environment names an endpoint; no-ops otherwise.
+        self.metrics = metrics or LearnerMetrics(learner_id)
         # This learner's certificate, for the coordinator, etcd and its peers alike.
         self.tls = tls
         self.layout_hash = layout_hash
@@ -259,6 +268,8 @@ class SynchronizerClient:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
+        if self.metrics.exporting:  # the last export
+            await asyncio.to_thread(self.metrics.flush)
 
     @property
     def versions(self) -> dict[int, int]:
@@ -357,6 +368,25 @@ class SynchronizerClient:
         return len(self.outbox)
 
     async def _send(self, c: Contribution) -> int | None:
+        """Push `c` (retrying as `_call` does) under a span of its own, which the
+        coordinator's admit span takes as parent; counted by outcome."""
+        with _TRACER.start_as_current_span("ftsync.push", kind=SpanKind.CLIENT, attributes={
+                "ftsync.learner": self.learner_id, "ftsync.fragment": c.fragment,
+                "ftsync.seq": c.seq, "ftsync.base_version": c.base_version,
+                "ftsync.c_tokens": c.c_tokens, "ftsync.c_steps": c.c_steps}) as span:
+            merged = self.stats.merged
+            target = await self._send_once(c)
+            if target is not None:
+                outcome = "acked"
+            elif (c.fragment, c.seq) in self.outbox:
+                outcome = "held" if c.acknowledged else "unsent"  # held: in the open round
+            else:
+                outcome = "merged" if self.stats.merged > merged else "refused"
+            span.set_attribute("ftsync.outcome", outcome)
+        self.metrics.pushes.add(1, {"outcome": outcome})
+        return target
+
+    async def _send_once(self, c: Contribution) -> int | None:
         header = pb.PushHeader(
             learner_id=self.learner_id, fragment=c.fragment, layout_hash=self.layout_hash,
             seq=c.seq, base_version=c.base_version, c_tokens=c.c_tokens, c_steps=c.c_steps,
@@ -403,8 +433,9 @@ class SynchronizerClient:
             for message in iter_chunk_messages(values, codec, pb.PushMessage, chunk_bytes):
                 yield message
 
+        # The current span (a contribution's push) becomes the admit span's parent.
         response: pb.PushResponse = await self._stub.PushFragment(
-            messages(), metadata=self._metadata, timeout=300)
+            messages(), metadata=self._metadata + telemetry.inject(), timeout=300)
         self._check_epoch(response.epoch)
         return response
 
@@ -418,7 +449,12 @@ class SynchronizerClient:
         async def pull_once() -> Pulled | None:
             stream = self._stub.PullFragment(request, metadata=self._metadata,
                                              timeout=wait_s + 300)
-            return await self._read_fragments(aiter(stream), only=fragment)
+            pulled = await self._read_fragments(aiter(stream), only=fragment)
+            if pulled is None:
+                return None
+            commit = telemetry.span_context(await stream.initial_metadata(),
+                                            telemetry.COMMIT_TRACE)
+            return replace(pulled, trace=commit) if commit is not None else pulled
         return await self._call(pull_once)
 
     async def pull_newer(self, fragment: int, have_version: int,

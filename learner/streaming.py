@@ -16,6 +16,10 @@ synchronizer publishes, from peer learners that hold exactly those versions
 (`learner.peers`) where peers are given, the rest from the coordinator. The
 learner pushes nothing before it has caught up. With `serve` set, it serves
 the merged values it holds to learners catching up, from the background loop.
+
+Applying a merged version is an `ftsync.apply` span linked to the coordinator's
+span of the round that committed it; the learner's metrics
+(`learner.metrics`) count its pushes, backlog, apply lag and tokens per second.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
 
 from learner.client import Pulled, SynchronizerClient
 from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetch_from_peers
+from protos import telemetry
 
 # Longest the training thread waits on the loop without looking at pending signals.
 _SIGNAL_CHECK_S = 0.2
@@ -43,6 +49,8 @@ _CLEANUP_S = 8.0
 
 ReadFragment = Callable[[int], np.ndarray]
 WriteFragment = Callable[[int, np.ndarray], None]
+
+_TRACER = trace.get_tracer(__name__)
 
 
 def offsets(sync_every: int, fragments: int) -> list[int]:
@@ -90,6 +98,8 @@ class _FragmentState:
     fell_back: bool = False
     # The pull under way is `_check_history`'s, not a push's own.
     lost_pull: bool = False
+    # When the push whose pull is under way was made (for the apply lag).
+    pushed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,8 @@ class FragmentSync:
     def __init__(self, client: SynchronizerClient, settings: SyncSettings,
                  read: ReadFragment, write: WriteFragment,
                  peers: PeerSettings | None = None) -> None:
+        # Spans go where OTEL_EXPORTER_OTLP_ENDPOINT (or FTSYNC_TRACE_CONSOLE) says.
+        telemetry.configure_tracing("ftsync-learner", client.learner_id)
         self.client = client
         self.settings = settings
         self.read = read
@@ -313,6 +325,7 @@ class FragmentSync:
                 await self._peer_server.stop()
             await self.client.leave(reason)
             await self.client.close()
+            telemetry.flush_traces()
 
     async def _from_coordinator(self, versions: dict[int, int]) -> dict[int, Pulled]:
         """The fragments no peer served, from the coordinator: each at its current
@@ -373,6 +386,8 @@ class FragmentSync:
         work_s = now - state.since - (self._blocked_s - state.blocked_at_since)
         item = _Outgoing(p, state.base - current, state.base_version, state.tokens,
                          state.steps, self.local_step, work_s)
+        if work_s > 0 and state.tokens > 0:
+            self.client.metrics.tokens_per_s.set(state.tokens / work_s)
         state.base, state.tokens, state.steps = current, 0, 0
         state.since, state.blocked_at_since = now, self._blocked_s
         assert self._sends is not None
@@ -383,6 +398,7 @@ class FragmentSync:
             state.pending = None
         if state.pending is None:
             state.lost_pull = False
+            state.pushed_at = now
             state.apply_at = self.local_step + self.settings.overlap_steps
             state.fell_back = False
             state.pending = asyncio.run_coroutine_threadsafe(
@@ -455,6 +471,7 @@ class FragmentSync:
                                 version=version, had_commit=f"{state.base_commit_id:x}",
                                 commit=f"{commit_id:x}")
         state.apply_at, state.fell_back, state.lost_pull = self.local_step + 1, True, True
+        state.pushed_at = None  # no push of this learner's waits on this pull
         state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, version - 1), self._loop)
 
     def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
@@ -482,8 +499,18 @@ class FragmentSync:
                     and pulled.commit_id not in (0, state.base_commit_id))):
             return False
         alpha = self.settings.alpha
-        values = pulled.values if alpha == 0 else alpha * self.read(p) + (1 - alpha) * pulled.values
-        self.write(p, values)
+        lag = None if state.pushed_at is None else time.monotonic() - state.pushed_at
+        with _TRACER.start_as_current_span("ftsync.apply", links=telemetry.links([pulled.trace]),
+                                           attributes={"ftsync.learner": self.client.learner_id,
+                                                       "ftsync.fragment": p,
+                                                       "ftsync.version": pulled.version,
+                                                       "ftsync.step": self.local_step}):
+            values = (pulled.values if alpha == 0
+                      else alpha * self.read(p) + (1 - alpha) * pulled.values)
+            self.write(p, values)
+        if lag is not None:
+            self.client.metrics.apply_lag.record(lag)
+        state.pushed_at = None
         state.base = pulled.values
         state.base_version, state.base_commit_id = pulled.version, pulled.commit_id
         state.tokens = state.steps = 0
@@ -516,6 +543,7 @@ class FragmentSync:
 
     async def _heartbeats(self) -> None:
         while not self._stopping:
+            self.client.metrics.backlog.set(self.backlog)
             try:
                 await self.client.heartbeat(self.local_step)
                 await self.client.repush_unacknowledged()
