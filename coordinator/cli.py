@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="lock-step baseline: quorum M learners, no grace window, "
                             "no stale contributions (overrides those keys of --set)")
         p.add_argument("--event-log", help="append JSONL events to this file")
-        p.add_argument("--prometheus-port", type=int, help="serve /metrics on this port")
+        p.add_argument("--prometheus-listen", metavar="HOST:PORT",
+                       help="serve /metrics at HOST:PORT, or at PORT on 127.0.0.1")
         p.add_argument("--etcd", metavar="HOST:PORT[,HOST:PORT...]",
                        help="run as one replica of a highly available synchronizer")
         p.add_argument("--replica-id", help="this replica's name (with --etcd)")
@@ -102,7 +103,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
     flags = {
         "listen": args.listen, "state_dir": args.state_dir,
         "policy.min_quorum": args.min_quorum, "event_log": args.event_log,
-        "metrics.prometheus_port": args.prometheus_port,
+        "metrics.prometheus_listen": args.prometheus_listen,
         "ha.replica_id": args.replica_id, "ha.advertise": args.advertise,
         "tls.cert": args.tls_cert, "tls.key": args.tls_key, "tls.ca": args.tls_ca,
         "tls.insecure": args.insecure,

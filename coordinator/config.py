@@ -83,18 +83,31 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    # Port of the Prometheus scrape endpoint on 127.0.0.1; 0 turns it off.
-    prometheus_port: int = 0
+    # HOST:PORT of the Prometheus scrape endpoint (/metrics), any interface (it
+    # carries no learner data); a bare PORT listens on 127.0.0.1, port 0 on any
+    # free port (printed at start); empty: none.
+    prometheus_listen: str = ""
     # Seconds between console dumps of the metrics; 0 turns them off.
     console_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.prometheus_port <= 65535:
-            raise ValueError(f"metrics.prometheus_port must be in [0, 65535] "
-                             f"(got {self.prometheus_port})")
+        if self.prometheus_listen:
+            self.prometheus_address()
         if not self.console_interval_s >= 0:
             raise ValueError(f"metrics.console_interval_s must be >= 0 "
                              f"(got {self.console_interval_s})")
+
+    def prometheus_address(self) -> tuple[str, int]:
+        """(host, port) of `prometheus_listen`; ValueError if it is neither HOST:PORT
+        nor PORT."""
+        host, colon, port = self.prometheus_listen.rpartition(":")
+        host = host.strip("[]") if colon else "127.0.0.1"
+        if not host or not port.isdigit() or int(port) > 65535 or any(
+                c.isspace() for c in host):
+            raise ValueError(f"metrics.prometheus_listen must be HOST:PORT or PORT (on "
+                             f"127.0.0.1) with a port up to 65535 "
+                             f"(got {self.prometheus_listen!r})")
+        return host, int(port)
 
 
 @dataclass(frozen=True)

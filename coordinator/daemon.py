@@ -97,6 +97,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
                          f"is in use or not on this machine")
     await server.start()
     print(describe(config), file=sys.stderr, flush=True)
+    if engine.metrics.prometheus_address:
+        print(f"ftsync-coordinator metrics on http://{engine.metrics.prometheus_address}"
+              f"/metrics", file=sys.stderr, flush=True)
     replica = Replica(engine, config, f"{host}:{port}", material) if config.ha.enabled else None
     if replica is not None:
         await replica.start()

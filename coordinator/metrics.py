@@ -1,8 +1,8 @@
 """OpenTelemetry metrics of the synchronizer.
 
 One place names every instrument, so the proto, the logs and the dashboards
-share one vocabulary. Exported to Prometheus (a scrape endpoint on
-127.0.0.1), periodically to the console, and over OTLP when
+share one vocabulary. Exported to Prometheus (a scrape endpoint at
+`metrics.prometheus_listen`), periodically to the console, and over OTLP when
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set, as the config and the environment say.
 `Admin.Status` reads its daemon-wide counts from these same instruments
 (`counts()`, through an in-memory reader), so with no exporter at all they
@@ -90,12 +90,17 @@ class Metrics:
         self._status_reader = InMemoryMetricReader()
         readers: list[MetricReader] = [self._status_reader, *telemetry.otlp_metric_readers()]
         self._http_server: Any = None
-        if config.prometheus_port:
+        # Where /metrics is served, with the real port ("" when it is not).
+        self.prometheus_address = ""
+        if config.prometheus_listen:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
             from prometheus_client import start_http_server
 
             readers.append(PrometheusMetricReader())
-            self._http_server, _ = start_http_server(config.prometheus_port, addr="127.0.0.1")
+            host, port = config.prometheus_address()
+            self._http_server, _ = start_http_server(port, addr=host)
+            bound = self._http_server.server_port
+            self.prometheus_address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         if config.console_interval_s > 0:
             readers.append(PeriodicExportingMetricReader(
                 ConsoleMetricExporter(out=sys.stderr),

@@ -31,7 +31,7 @@ def start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["--listen", "127.0.0.1:99999"], ["listen", "65535", "99999"]),
-    (["--set", "metrics.prometheus_port=-5"], ["metrics.prometheus_port", "-5"]),
+    (["--prometheus-listen", "localhost:99999"], ["metrics.prometheus_listen", "99999"]),
     (["--set", "limits.norm_bound=nan"], ["limits.norm_bound", "nan"]),
     (["--set", "heartbeat_interval_ms=5000000000"], ["heartbeat_interval_ms", "5000000000"]),
     (["--set", "auth.tokens_file=missing.toml"], ["auth.tokens_file", "missing.toml"]),

@@ -786,7 +786,7 @@ def test_an_embedded_coordinator_takes_no_replicated_versions(
 
 def test_rejections_reach_prometheus_with_their_reason(start_daemon: StartDaemon) -> None:
     port = free_port()
-    daemon = started(start_daemon, "--prometheus-port", str(port))
+    daemon = started(start_daemon, "--prometheus-listen", str(port))  # on 127.0.0.1
     bad = GRADIENT.copy()
     bad[0] = np.nan
     expect_rejected(daemon, partial(push, daemon, bad), INVALID_ARGUMENT, Reason.NOT_FINITE,
@@ -804,7 +804,7 @@ def test_time_histograms_have_buckets_that_fit_what_they_measure(
     """With the SDK's default buckets (0, 5, 10, ...) every quorum wait, grace window and
     sync time of a healthy run lands in le="5.0"; the views give each its own range."""
     port = free_port()
-    daemon = started(start_daemon, "--prometheus-port", str(port))
+    daemon = started(start_daemon, "--prometheus-listen", str(port))  # on 127.0.0.1
     contribute_and_commit(daemon, seq=2)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()

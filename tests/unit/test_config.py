@@ -156,9 +156,33 @@ def test_overrides_win_over_the_file(tmp_path: Path) -> None:
 
 def test_overrides_without_a_file(tmp_path: Path) -> None:
     config = load(CoordinatorConfig, None, {"limits.chunk_bytes": str(4 * MIB),
-                                            "metrics.prometheus_port": "9100"})
+                                            "metrics.prometheus_listen": '"0.0.0.0:9100"'})
     assert config.limits.chunk_bytes == 4 * MIB
-    assert config.metrics.prometheus_port == 9100
+    assert config.metrics.prometheus_address() == ("0.0.0.0", 9100)
+
+
+@pytest.mark.parametrize(("listen", "address"), [
+    ("9464", ("127.0.0.1", 9464)),  # a bare port stays on loopback
+    ("localhost:9464", ("localhost", 9464)),
+    ("0.0.0.0:0", ("0.0.0.0", 0)),
+    ("[::1]:9464", ("::1", 9464)),
+])
+def test_the_prometheus_listen_address(listen: str, address: tuple[str, int]) -> None:
+    config = load(CoordinatorConfig, None, {"metrics.prometheus_listen": f'"{listen}"'})
+    assert config.metrics.prometheus_address() == address
+
+
+@pytest.mark.parametrize("listen", [":9464", "host:", "host:99999", "host:port", "a b:1"])
+def test_a_bad_prometheus_listen_address_is_named(listen: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(CoordinatorConfig, None, {"metrics.prometheus_listen": f'"{listen}"'})
+    assert "metrics.prometheus_listen" in str(info.value) and repr(listen) in str(info.value)
+
+
+def test_the_old_prometheus_port_key_points_to_its_replacement() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(CoordinatorConfig, None, {"metrics.prometheus_port": "9100"})
+    assert "did you mean 'metrics.prometheus_listen'" in str(info.value)
 
 
 def test_bad_override_without_a_file_says_it_came_from_the_command_line() -> None:
