@@ -262,7 +262,7 @@ def audit(state_dirs: list[Path], coordinator_logs: list[Path],
             commit.get("epoch", 0))
     split_brain = sorted(key for key, seen in epochs.items() if len(seen) > 1)
     overwritten = sorted((c["fragment"], c["version"], c.get("epoch", 0)) for c in commits
-                         if history.get((c["fragment"], c["version"]), {}).get("epoch")
+                         if history.get((c["fragment"], c["version"]), {}).get("epoch", 0)
                          != c.get("epoch", 0))
     claimed: set[Contribution] = set()
     dropped: set[Contribution] = set()
