@@ -33,6 +33,9 @@ class Reason(enum.Enum):
     STALE_EPOCH = "stale_epoch"
     # A push stream that sent nothing for limits.push_idle_s: cut, not refused.
     IDLE = "idle"
+    # This replica is draining (Admin.Drain): a push that would open a round goes
+    # to the next leader, or waits for this one to come back, as for not_leader.
+    DRAINING = "draining"
 
 
 class Rejected(Exception):

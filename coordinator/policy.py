@@ -31,9 +31,10 @@ from coordinator.membership import HeartbeatTable, Membership
 
 MergeRule = Literal["mean", "rda"]
 # Why a round closed: every live learner had contributed, its grace window ran
-# out, or it reached quorum with no grace window to wait (sync mode, or no time
-# left in the budget).
-CloseReason = Literal["all_live", "grace_ended", "no_grace"]
+# out, it reached quorum with no grace window to wait (sync mode, or no time
+# left in the budget), or it had quorum as its coordinator drained (Admin.Drain),
+# which waits out no grace window.
+CloseReason = Literal["all_live", "grace_ended", "no_grace", "draining"]
 
 # Smoothing of the running timing estimates (ξ_step, ξ_sync).
 _EWMA = 0.3
@@ -176,6 +177,8 @@ class Policy:
             for p, v in versions.items()
         }
         self._learners: dict[str, _Learner] = {}
+        # Taking no new rounds (`drain`).
+        self.draining = False
         # Highest seq ever seen per learner, so a restarted learner never reuses one.
         self._seen_seq: dict[str, int] = {}
         for watermarks in (merged_seq or {}).values():
@@ -306,6 +309,10 @@ class Policy:
                            f"base version {cid.base_version} is {staleness} versions behind "
                            f"{frag.version} (max_staleness {self.config.max_staleness}); "
                            f"pull fragment {cid.fragment} and contribute against it")
+        if self.draining and not frag.round.contributions:
+            raise Rejected(Reason.DRAINING,
+                           f"this coordinator is draining: it opens no new round (fragment "
+                           f"{cid.fragment}); push to the next leader, or again once it is back")
         weight = self.weight(offer.c_tokens, offer.c_steps, staleness)
         return Admission(offer=offer, weight=weight, staleness=staleness,
                          target_version=frag.round.version)
@@ -356,8 +363,10 @@ class Policy:
         if not self._is_due(frag, now):
             raise ValueError(f"round of fragment {fragment} is not due at {now}")
         assert rnd.opened_at is not None and rnd.quorum_at is not None
+        assert rnd.deadline is not None
         why: CloseReason = ("all_live" if self.live_learners(now) <= rnd.learners()
-                            else "no_grace" if rnd.grace_s == 0 else "grace_ended")
+                            else "no_grace" if rnd.grace_s == 0
+                            else "grace_ended" if now >= rnd.deadline else "draining")
         for c in rnd.contributions:
             frag.merged_seq[c.id.learner_id] = max(
                 frag.merged_seq.get(c.id.learner_id, 0), c.id.seq)
@@ -367,6 +376,17 @@ class Policy:
                           manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
                           quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s,
                           why=why)
+
+    def drain(self, draining: bool = True) -> None:
+        """Take no new rounds, so that this replica can stop with nothing lost: a
+        contribution that would open a round is refused as draining, an open round
+        still takes contributions and closes as soon as it has quorum, without
+        waiting out its grace window. `drain(False)` takes rounds again."""
+        self.draining = draining
+
+    def open_rounds(self) -> list[int]:
+        """Fragments whose open round holds contributions."""
+        return [p for p, frag in self._fragments.items() if frag.round.contributions]
 
     def record_sync_time(self, fragment: int, seconds: float) -> None:
         """Feed back how long merging and publishing a version took (ξ_sync)."""
@@ -407,7 +427,8 @@ class Policy:
         rnd = frag.round
         if rnd.quorum_at is None or rnd.deadline is None:
             return False
-        return now >= rnd.deadline or self.live_learners(now) <= rnd.learners()
+        return (self.draining or now >= rnd.deadline
+                or self.live_learners(now) <= rnd.learners())
 
     def _grace(self, frag: _Fragment, quorum_wait: float, now: float) -> float:
         live = [self._learners[lid] for lid in self.live_learners(now)]

@@ -60,6 +60,8 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.STALE_EPOCH: grpc.StatusCode.FAILED_PRECONDITION,
     # Retried by learners, as a call that timed out is: the push is sent again.
     Reason.IDLE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    # Learners go elsewhere, as for not_leader.
+    Reason.DRAINING: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _FP32 = codec_named("fp32")

@@ -12,7 +12,9 @@ A highly available synchronizer is named by a comma-separated list of
 replica addresses or by `etcd://HOST:PORT[,HOST:PORT]/RUN` (the leader is
 read from etcd). A standby answers `not_leader` naming the leader, which
 the client follows at once; an unreachable replica sends it to the next
-one. Every answer carries the leader's epoch, and the client ignores one
+one, and so does a replica that answers `draining` (an operator's
+`Admin.Drain`: it takes no new rounds and hands over, or exits to be
+upgraded). Every answer carries the leader's epoch, and the client ignores one
 from an epoch older than it has seen (a deposed leader). After a change of
 leader the new one does not know the learner: the client joins again and
 pushes every contribution still in the outbox; the ones already merged are
@@ -62,6 +64,8 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Trailing metadata in which a standby names the leader.
 _LEADER_METADATA = "ftsync-leader"
+# Refusals that mean "not here, not now": a standby's, and a draining replica's.
+_GO_ELSEWHERE = ("not_leader", "draining")
 # Pause before asking the leader a replica named, or the next replica.
 _REDIRECT_S = (0.01, 0.05)
 # Longest pause between rounds over every replica while none answers.
@@ -398,7 +402,7 @@ class SynchronizerClient:
         try:
             ack = await self._call(lambda: self._push(header, c.delta, self.codec))
         except Refused as refused:
-            if refused.reason == "not_leader":  # none led while it retried: none refused it
+            if refused.reason in _GO_ELSEWHERE:  # none led while it retried: none refused it
                 self._unsent(c, refused)
             elif refused.reason == "replayed" and "already merged" in refused.details:
                 self._settle(c, merged=True)
@@ -625,7 +629,7 @@ class SynchronizerClient:
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 not_leader = (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                              and details.startswith("not_leader"))
+                              and details.split(":", 1)[0] in _GO_ELSEWHERE)
                 if not not_leader and exc.code() not in _TRANSIENT:
                     raise Refused(exc.code(), details) from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
