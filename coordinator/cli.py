@@ -1,5 +1,6 @@
-"""`ftsync-coordinator`: run the daemon (`serve`, the default), watch one (`status`)
-or make the certificates a secure run needs (`certs`)."""
+"""`ftsync-coordinator`: run the daemon (`serve`, the default), watch one (`status`),
+probe one (`health`), drain one for an upgrade (`drain`) or make the certificates
+a secure run needs (`certs`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from coordinator import admin
 from coordinator.certs import CertsError, make_certificates
 from coordinator.config import ConfigError, CoordinatorConfig, describe, load, parse_overrides
 from coordinator.durability import StateError
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_status(args))
     if args.command == "certs":
         sys.exit(_certs(args))
+    if args.command in ("health", "drain"):
+        sys.exit(admin.run(args))
     if args.check_config:
         sys.exit(_check_config(args))
     try:
@@ -51,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="run the daemon (default)")
     status = sub.add_parser("status", help="show a live table of a running daemon")
+    health = sub.add_parser("health", help="probe the health service: exit 0 if the "
+                                           "coordinator can commit (SERVING), else 1")
+    drain = sub.add_parser("drain", help="commit the open rounds, hand leadership to an "
+                                         "in-sync standby and exit, for an upgrade")
     certs = sub.add_parser("certs", help="write a CA and coordinator, admin and learner "
                                          "certificates")
     for p in (parser, serve):
@@ -84,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="the daemon's auth.admin_token, if it has one "
                              "(or FTSYNC_ADMIN_TOKEN)")
     tls.add_flags(status, "an operator's client certificate (admin.pem of `certs`)")
+    for p in (health, drain):
+        p.add_argument("--address", default="127.0.0.1:50051", help="daemon HOST:PORT")
+    health.add_argument("--service", default="",
+                        help="the service to ask about (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    tls.add_flags(health, "a client certificate, where the daemon requires one")
+    drain.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds the daemon may take to commit its open rounds and "
+                            "hand over")
+    drain.add_argument("--token", default=os.environ.get("FTSYNC_ADMIN_TOKEN"),
+                       help="the daemon's auth.admin_token, if it has one "
+                            "(or FTSYNC_ADMIN_TOKEN)")
+    tls.add_flags(drain, "an operator's client certificate (admin.pem of `certs`)")
     certs.add_argument("--out", required=True, help="directory to write the files into")
     certs.add_argument("--host", action="extend", nargs="+", default=[], metavar="NAME",
                        help="DNS names and IP addresses the coordinator and learners are "

@@ -99,6 +99,16 @@ class PushResult:
     staleness: int
 
 
+@dataclass(frozen=True)
+class Drained:
+    """What draining did: versions committed meanwhile, and the fragments whose
+    open round was still short of quorum when the time ran out."""
+
+    role: Role
+    committed: int
+    left_open: list[int]
+
+
 class Engine:
     """Everything the daemon does, minus gRPC."""
 
@@ -136,6 +146,9 @@ class Engine:
         self.on_run_created: Callable[[RunRecord], None] | None = None
         # Standby: newest replicated (sender epoch, version) per fragment.
         self.replicated: dict[int, tuple[int, int]] = {}
+        # Set by `drain`: this replica takes no new rounds and never leads again, unless
+        # the drain is abandoned (`undrain`).
+        self.draining = False
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -158,6 +171,13 @@ class Engine:
         self._timer = asyncio.create_task(self._round_timer(), name="round-timer")
 
     # -- leadership -------------------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        """Whether this replica can commit: it leads (so it has resumed its run's
+        state), its lease holds, and it is neither draining nor stopped by a failure."""
+        return (self.role == "leader" and self.lease_valid() and not self.draining
+                and not self.failed.is_set())
 
     def require_leader(self) -> None:
         """Raise `NotLeader` unless this replica leads and its lease still holds."""
@@ -242,6 +262,43 @@ class Engine:
         self.events.emit("replicated", fragment=record.fragment, version=record.version,
                          epoch=record.epoch, leader_epoch=epoch)
         return self.known_epoch
+
+    async def drain(self, timeout_s: float) -> Drained:
+        """Take no new rounds, then wait (up to `timeout_s`) until every open round
+        has reached quorum and committed. An embedded coordinator then exits; a
+        replica hands its leadership over first (`coordinator.ha`)."""
+        role = self.role
+        if not self.draining:
+            self.draining = True
+            self.events.emit("drain", replica=self.replica_id, role=role)
+        policy, store = self.policy, self.store
+        if policy is None or store is None or role != "leader":
+            return Drained(role, 0, [])
+        policy.drain()
+        commits = sum(store.stats(p)[0] for p in range(len(store.slots)))
+        deadline = self.clock() + timeout_s
+        self._wake.set()
+        while (policy is self.policy and policy.open_rounds() and self.clock() < deadline
+               and not self.failed.is_set()):
+            await asyncio.sleep(_TICK_S)
+        for p in range(len(store.slots)):
+            async with store.lock(p):
+                pass  # a commit under way ends first
+        committed = sum(store.stats(p)[0] for p in range(len(store.slots))) - commits
+        left_open = policy.open_rounds() if policy is self.policy else []
+        self.events.emit("drained", replica=self.replica_id, committed=committed,
+                         left_open=left_open)
+        return Drained(role, committed, left_open)
+
+    def undrain(self, reason: str) -> None:
+        """Abandon a drain (its leader found no standby to hand over to): take rounds
+        again."""
+        if not self.draining:
+            return
+        self.draining = False
+        if self.policy is not None:
+            self.policy.drain(False)
+        self.events.emit("drain_abandoned", replica=self.replica_id, reason=reason)
 
     async def stop(self) -> None:
         if self._timer is not None:
@@ -667,7 +724,7 @@ class Engine:
             bytes_out=counts.total("ftsync_bytes_out"),
             layout_hash=self.run.layout_hash if self.run else "",
             role=self.role, epoch=self.epoch if self.role == "leader" else self.known_epoch,
-            leader=self.leader_address, replica_id=self.replica_id)
+            leader=self.leader_address, replica_id=self.replica_id, draining=self.draining)
         response.rejections.update(counts.by("ftsync_rejections", "reason"))
         policy, store = self.policy, self.store
         if policy is None or store is None:
@@ -706,6 +763,8 @@ class Engine:
                     for p in range(len(run.numels))}
         watermarks = {p: r.watermarks for p, r in records.items()}
         self.policy = Policy(self.config.policy, versions, watermarks, self.membership)
+        if self.draining:
+            self.policy.drain()
         return {p: v for p, v in versions.items() if v >= 0}
 
     def _guard(self) -> Guard | None:

@@ -36,6 +36,8 @@ class Reason(enum.Enum):
     # This replica is draining (Admin.Drain): a push that would open a round goes
     # to the next leader, or waits for this one to come back, as for not_leader.
     DRAINING = "draining"
+    # A leader asked to drain has no in-sync standby to hand the run to.
+    NO_STANDBY = "no_standby"
 
 
 class Rejected(Exception):

@@ -62,6 +62,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.IDLE: grpc.StatusCode.DEADLINE_EXCEEDED,
     # Learners go elsewhere, as for not_leader.
     Reason.DRAINING: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.NO_STANDBY: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _FP32 = codec_named("fp32")
@@ -265,20 +266,36 @@ class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
 
 
 class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
-    def __init__(self, engine: Engine, token: str) -> None:
+    """Operators' calls: `Status`, and `Drain` through the daemon's `drain`."""
+
+    def __init__(self, engine: Engine, token: str,
+                 drain: Callable[[float], Awaitable[pb.DrainResponse]]) -> None:
         self.engine = engine
         self.token = token
+        self.drain = drain
 
     async def Status(self, request: pb.StatusRequest,
                      context: Context) -> pb.StatusResponse:
-        if not role_allowed(context, self.token, ADMIN_NAME, bool(self.engine.config.tls.ca)):
-            rejected = Rejected(Reason.UNAUTHENTICATED,
-                                f"Status needs the admin token (auth.admin_token; "
-                                f"ftsync-coordinator status --token) or a client "
-                                f"certificate issued to {ADMIN_NAME!r}")
-            self.engine.record_rejection("Status", "", rejected)
-            await abort(context, rejected)
+        await self._authorize("Status", context)
         return self.engine.status()
+
+    async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
+        await self._authorize("Drain", context)
+        try:
+            return await self.drain(request.timeout_s)
+        except Rejected as rejected:
+            self.engine.record_rejection("Drain", "", rejected)
+            await abort(context, rejected)
+
+    async def _authorize(self, rpc: str, context: Context) -> None:
+        if not role_allowed(context, self.token, ADMIN_NAME, bool(self.engine.config.tls.ca)):
+            command = rpc.lower()
+            rejected = Rejected(Reason.UNAUTHENTICATED,
+                                f"{rpc} needs the admin token (auth.admin_token; "
+                                f"ftsync-coordinator {command} --token) or a client "
+                                f"certificate issued to {ADMIN_NAME!r}")
+            self.engine.record_rejection(rpc, "", rejected)
+            await abort(context, rejected)
 
 
 def _statuses(views: list[FragmentView]) -> list[pb.FragmentStatus]:

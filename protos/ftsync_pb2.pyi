@@ -267,7 +267,7 @@ class FragmentInfo(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., round_learners: _Optional[_Iterable[str]] = ..., round_age_s: _Optional[float] = ..., grace_left_s: _Optional[float] = ..., commits: _Optional[int] = ..., merged_contributions: _Optional[int] = ..., last_commit_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "uptime_s", "min_quorum", "learners", "fragments", "bytes_in", "bytes_out", "rejections", "layout_hash", "role", "epoch", "leader", "replica_id")
+    __slots__ = ("run_id", "uptime_s", "min_quorum", "learners", "fragments", "bytes_in", "bytes_out", "rejections", "layout_hash", "role", "epoch", "leader", "replica_id", "draining")
     class RejectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class StatusResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     uptime_s: float
     min_quorum: int
@@ -301,7 +302,28 @@ class StatusResponse(_message.Message):
     epoch: int
     leader: str
     replica_id: str
-    def __init__(self, run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., min_quorum: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., layout_hash: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, run_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., min_quorum: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rejections: _Optional[_Mapping[str, int]] = ..., layout_hash: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., leader: _Optional[str] = ..., replica_id: _Optional[str] = ..., draining: bool = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("role", "rounds_committed", "rounds_left_open", "leader", "epoch")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_LEFT_OPEN_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    rounds_committed: int
+    rounds_left_open: _containers.RepeatedScalarFieldContainer[int]
+    leader: str
+    epoch: int
+    def __init__(self, role: _Optional[str] = ..., rounds_committed: _Optional[int] = ..., rounds_left_open: _Optional[_Iterable[int]] = ..., leader: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
     __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch", "commit_id")

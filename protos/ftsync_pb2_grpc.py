@@ -328,6 +328,11 @@ class AdminStub(object):
                 request_serializer=protos_dot_ftsync__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_ftsync__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/ftsync.v1.Admin/Drain',
+                request_serializer=protos_dot_ftsync__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_ftsync__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer(object):
@@ -339,6 +344,15 @@ class AdminServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Take no new rounds, commit the open ones, hand leadership to an in-sync
+        standby (with replicas), answer, then exit: the replica can be upgraded
+        and restarted with nothing lost. Needs the admin credentials, as Status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -346,6 +360,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_ftsync__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_ftsync__pb2.StatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_ftsync__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_ftsync__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -375,6 +394,33 @@ class Admin(object):
             '/ftsync.v1.Admin/Status',
             protos_dot_ftsync__pb2.StatusRequest.SerializeToString,
             protos_dot_ftsync__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftsync.v1.Admin/Drain',
+            protos_dot_ftsync__pb2.DrainRequest.SerializeToString,
+            protos_dot_ftsync__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
