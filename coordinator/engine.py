@@ -37,7 +37,7 @@ from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite, norm_sq
 from coordinator.metrics import Metrics
-from coordinator.policy import ContributionId, Offer, Policy
+from coordinator.policy import ContributionId, Offer, Policy, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
 from protos.codec import MAX_CHUNK_BYTES, Codec, CodecError, codec_for
@@ -515,9 +515,7 @@ class Engine:
             async with store.lock(p):
                 if header.init:
                     self._check_uninitialized(p)
-                    if header.seq < 1:
-                        raise Rejected(Reason.MALFORMED,
-                                       f"seq must be at least 1 (got {header.seq})")
+                    check_seq(header.seq)
                     await store.initialize(p, lease.buffer, {header.learner_id: header.seq},
                                            self.epoch, self._guard())
                     lease.buffer = None

@@ -41,6 +41,9 @@ _EWMA = 0.3
 # The largest c_tokens²/c_steps taken (4M-token steps summed over 500 steps give
 # 8e15): merging pre-multiplies fp32 values by the weight, which must stay finite.
 MAX_TOKEN_WEIGHT = float(2**64)
+# The largest seq taken: `JoinResponse.next_seq` (a uint64) is one above every seq a
+# learner used, so 2^64-1 would leave it none to hand out.
+MAX_SEQ = 2**64 - 2
 
 
 @dataclass(frozen=True)
@@ -300,8 +303,7 @@ class Policy:
                            f"than its current version {frag.version}")
         if cid.base_version < 0:
             raise Rejected(Reason.MALFORMED, f"base version {cid.base_version} is negative")
-        if cid.seq < 1:
-            raise Rejected(Reason.MALFORMED, f"seq must be at least 1 (got {cid.seq})")
+        check_seq(cid.seq)
         self._check_fresh(frag, cid)
         staleness = frag.version - cid.base_version
         if staleness > self.config.max_staleness:
@@ -449,6 +451,13 @@ class Policy:
         if learner.step_sample_at is None or local_step > learner.local_step:
             learner.local_step = local_step
             learner.step_sample_at = now
+
+
+def check_seq(seq: int) -> None:
+    """Raise `Rejected(MALFORMED)` unless a contribution may carry `seq`."""
+    if not 1 <= seq <= MAX_SEQ:
+        raise Rejected(Reason.MALFORMED, f"seq must be in 1..{MAX_SEQ} (got {seq}): a learner "
+                                         f"must always have a next one")
 
 
 def _ewma(previous: float | None, sample: float) -> float:

@@ -610,6 +610,21 @@ def test_seq_zero_is_refused_cleanly(start_daemon: StartDaemon) -> None:
     contribute_and_commit(daemon, seq=2)
 
 
+def test_a_seq_that_leaves_no_next_one_is_refused(start_daemon: StartDaemon) -> None:
+    """Found by the fuzzer (test_fuzz.py): a push (an initial value, or a contribution)
+    with seq 2^64-1 was taken, and from then on every Join of its learner ended in
+    UNKNOWN, since the next seq it is handed, 2^64, does not fit the uint64 of
+    `JoinResponse.next_seq`."""
+    daemon = started(start_daemon)
+    last = 2**64 - 1
+    for case, refused in (("initial value", partial(init, daemon, fragment=1, seq=last)),
+                          ("contribution", partial(push, daemon, seq=last))):
+        expect_rejected(daemon, refused, INVALID_ARGUMENT, Reason.MALFORMED, "seq",
+                        f"got {last}", case=case)
+    assert join(daemon).next_seq == 2
+    contribute_and_commit(daemon, seq=last - 1)
+    assert join(daemon).next_seq == last
+
 def test_version_from_the_future_is_invalid_argument(start_daemon: StartDaemon) -> None:
     daemon = started(start_daemon)
     expect_rejected(daemon, partial(push, daemon, base_version=5), INVALID_ARGUMENT,
