@@ -351,7 +351,7 @@ class Engine:
         if any(n == 0 for n in numels):
             raise Rejected(Reason.MALFORMED, "layout has an empty fragment")
         if self.run is None:
-            self._check_room(sum(numels))
+            self.check_room(sum(numels))
             pinned = self.config.layout_hash
             if pinned and pinned != layout.hash:
                 raise Rejected(Reason.LAYOUT_MISMATCH,
@@ -386,7 +386,7 @@ class Engine:
                          pid=request.pid, next_seq=next_seq)
         return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq)
 
-    def _check_room(self, params: int) -> None:
+    def check_room(self, params: int) -> None:
         """Refuse a run this daemon could not hold, before allocating any of it."""
         limit = self.config.limits.max_params
         where = "limits.max_params"

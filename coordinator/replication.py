@@ -80,8 +80,13 @@ def replica_messages(epoch: int, leader_id: str, run: RunRecord,
 
 
 async def read_replica(
-        messages: AsyncIterator[pb.ReplicaMessage]) -> tuple[int, RunRecord, FragmentRecord]:
-    """(sender epoch, run, record) from a `Replicate` stream; `Rejected` if malformed."""
+        messages: AsyncIterator[pb.ReplicaMessage],
+        check_room: Callable[[int], None] = lambda params: None,
+) -> tuple[int, RunRecord, FragmentRecord]:
+    """(sender epoch, run, record) from a `Replicate` stream; `Rejected` if malformed.
+
+    `check_room(params)` refuses a run too large for this replica (the engine's rule
+    for a first Join) before the header's sizes allocate anything."""
     first = await anext(aiter(messages), None)
     if first is None or first.WhichOneof("kind") != "header":
         raise Rejected(Reason.MALFORMED, "a replication stream starts with a header")
@@ -90,6 +95,7 @@ async def read_replica(
     if header.fragment >= len(header.numels) or header.numels[header.fragment] != numel:
         raise Rejected(Reason.BAD_SHAPE, f"fragment {header.fragment} of {numel} elements "
                                          f"does not fit the run's layout")
+    check_room(sum(int(n) for n in header.numels))
     values = np.empty(2 * numel, dtype=np.float32)
     received = 0
     async for message in messages:
@@ -116,7 +122,7 @@ async def read_replica(
 def _manifest(text: str) -> list[Any]:
     try:
         manifest = json.loads(text or "[]")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # nested past the parser's recursion limit
         raise Rejected(Reason.MALFORMED, f"the replicated manifest is not JSON: {exc}") from None
     if not isinstance(manifest, list):
         raise Rejected(Reason.MALFORMED, "the replicated manifest is not a list")

@@ -257,7 +257,7 @@ class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
                 raise Rejected(Reason.UNAUTHENTICATED,
                                f"replication needs the replicas' shared token (ha.token) "
                                f"or a client certificate issued to {REPLICA_NAME!r}")
-            epoch, run, record = await read_replica(request_iterator)
+            epoch, run, record = await read_replica(request_iterator, self.engine.check_room)
             known = await self.engine.apply_replica(epoch, run, record)
         except Rejected as rejected:
             self.engine.record_rejection("Replicate", "", rejected)
