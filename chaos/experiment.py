@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,16 @@ FaultKind = Literal[
     "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
     "latency", "bandwidth", "reset_connections", "adversary",
     "kill_leader", "pause_leader", "partition_leader_from_etcd", "kill_etcd_member",
+    "drain_replica",
 ]
 LEARNER_FAULTS = {"kill_learner", "pause_learner", "straggle", "partition_learner",
                   "latency", "bandwidth", "reset_connections"}
 NETWORK_FAULTS = {"partition_learner", "latency", "bandwidth", "reset_connections"}
 # Faults on the replica that leads a highly available synchronizer.
 LEADER_FAULTS = {"kill_leader", "pause_leader", "partition_leader_from_etcd"}
+# What drain_replica may target: the one coordinator, or with replicas the leader,
+# a standby or a replica by name (r0, r1, ...).
+DRAIN_TARGETS = re.compile(r"random|coordinator|leader|standby|r\d+")
 ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
 # The outer optimizer of async runs unless their settings say otherwise (BENCHMARKS.md).
 ASYNC_OUTER: Final = {"outer.lr": 0.3, "outer.momentum": 0.0}
@@ -141,6 +146,10 @@ class FaultSpec:
     # kill_leader: "grace" waits (up to 10 s) for a round's grace window to open;
     # kill_learner: "push" waits (up to 10 s) until the learner is in a push.
     during: Literal["any", "grace", "push"] = "any"
+    # drain_replica: how long the coordinator may take to commit its open rounds
+    # and hand its leadership over (Admin.Drain); then it exits, and restarts (as
+    # an upgraded binary would) duration_s later.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         when = [k for k in ("at_s", "every_s", "mtbf_s") if getattr(self, k) is not None]
@@ -158,6 +167,12 @@ class FaultSpec:
         if self.kind == "kill_coordinator" and self.target not in ("coordinator", "random"):
             raise ValueError(f"target of kill_coordinator must be 'coordinator' "
                              f"(got {self.target!r})")
+        if self.kind == "drain_replica" and not DRAIN_TARGETS.fullmatch(self.target):
+            raise ValueError(f"target of drain_replica must be 'coordinator', 'leader', "
+                             f"'standby' or a replica (r0, r1, ...) (got {self.target!r})")
+        if not 0 < self.drain_timeout_s < math.inf:
+            raise ValueError(f"drain_timeout_s must be positive and finite "
+                             f"(got {self.drain_timeout_s})")
         if self.kind in LEADER_FAULTS and self.target not in ("leader", "random"):
             raise ValueError(f"target of {self.kind} is always the leader "
                              f"(got {self.target!r}; leave it out or write 'leader')")
@@ -269,6 +284,8 @@ class Experiment:
                              f"coordinator; use 'kill_leader' with replicas")
         if fault.kind == "adversary" and self.highly_available:
             raise ValueError(f"faults.{i}.kind 'adversary' needs a single coordinator")
+        if fault.kind == "drain_replica":
+            self._check_drain_target(i, fault.target)
         if fault.kind == "kill_etcd_member":
             members = self.etcd.ids()
             if not members:
@@ -276,6 +293,19 @@ class Experiment:
             if fault.target not in (*members, "random"):
                 raise ValueError(f"faults.{i}.target {fault.target!r} is not an etcd member "
                                  f"({', '.join(members)} or 'random')")
+
+
+    def _check_drain_target(self, i: int, target: str) -> None:
+        replicas = self.coordinator.replicas
+        if self.highly_available and target == "coordinator":
+            raise ValueError(f"faults.{i}.target 'coordinator' is for a single coordinator; "
+                             f"with replicas drain 'leader', 'standby' or r0..r{replicas - 1}")
+        if not self.highly_available and target not in ("coordinator", "random"):
+            raise ValueError(f"faults.{i}.target {target!r} needs coordinator.replicas > 1; "
+                             f"a single coordinator is 'coordinator'")
+        if target.startswith("r") and target[1:].isdigit() and int(target[1:]) >= replicas:
+            raise ValueError(f"faults.{i}.target {target!r} is not a replica of this "
+                             f"experiment (r0..r{replicas - 1})")
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -312,6 +342,8 @@ def schedule(experiment: Experiment) -> list[Action]:
                 target = "leader"
             elif fault.kind == "kill_etcd_member" and target == "random":
                 target = rng.choice(experiment.etcd.ids())
+            elif fault.kind == "drain_replica" and target == "random":
+                target = "leader" if experiment.highly_available else "coordinator"
             elif target == "random":
                 target = ("coordinator" if fault.kind == "kill_coordinator"
                           else rng.choice(experiment.learners.ids()))

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.admin import request_drain
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import tls
@@ -104,3 +105,11 @@ class CoordinatorProcess:
             response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
                 pb.StatusRequest(), timeout=timeout, metadata=metadata)
             return response
+
+    def drain(self, timeout_s: float = 30.0) -> tuple[pb.DrainResponse, int]:
+        """`Admin.Drain`, then the daemon's exit: (its answer, its exit status).
+        Raises `grpc.RpcError` when it refuses (nothing changed then)."""
+        assert self.process is not None
+        response = request_drain(self.address, tls.load(self.admin_tls), self.admin_token,
+                                 timeout_s)
+        return response, self.process.wait(timeout=30)

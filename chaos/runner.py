@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -116,6 +117,8 @@ class ProcessCluster:
         self.replicas: ReplicaSet | None = None
         # The replica each leader fault hit, so that its heal reaches the same one.
         self._leader_hit: dict[tuple[int, int], int] = {}
+        # The coordinator each drain stopped (its name and process), restarted by its heal.
+        self._drained: dict[tuple[int, int], tuple[str, CoordinatorProcess]] = {}
         self.learners = [LearnerSlot(lid, i, out / f"{lid}.events.jsonl",
                                      peer_port=free_port() if experiment.learners.peers else 0)
                          for i, lid in enumerate(experiment.learners.ids())]
@@ -308,6 +311,9 @@ class ProcessCluster:
         elif kind in LEADER_FAULTS:
             self._leader_fault(action, occurrence)
             return
+        elif kind == "drain_replica":
+            self._drain_fault(action, occurrence)
+            return
         elif kind == "kill_etcd_member":
             detail = self._etcd_fault(target, action.heal)
         elif slot is not None and slot.proxy is not None:
@@ -369,6 +375,69 @@ class ProcessCluster:
         # The epoch lets the checker time the failover to the next epoch's first commit.
         self.events.emit("fault", fault=kind, target=f"r{index}", action="inject",
                          detail=detail, epoch=epoch)
+
+    def _drain_fault(self, action: Action, occurrence: tuple[int, int]) -> None:
+        """Drain a coordinator as an upgrade does: Admin.Drain commits its open rounds,
+        hands its leadership to an in-sync standby (replicas) and it exits; the heal
+        restarts it on its state directory. A drain it refuses (no standby in sync to
+        take over) changes nothing and is skipped, and so is its heal."""
+        fault = action.fault
+        if action.heal:
+            name, coordinator = self._drained.pop(occurrence)
+            coordinator.start()
+            if coordinator is self.coordinator:
+                self.coordinator_up = True
+            self._started("coordinator" if coordinator is self.coordinator else "replica", name,
+                          coordinator.process)
+            self.events.emit("fault", fault=fault.kind, target=name, action="heal",
+                             detail="restarted on its state directory")
+            return
+        found = self._drain_candidate(action.target)
+        if isinstance(found, str):
+            self._skipped.add(occurrence)
+            self.events.emit("fault_skipped", fault=fault.kind, target=action.target,
+                             action="inject", reason=found)
+            return
+        name, coordinator = found
+        try:
+            response, code = coordinator.drain(fault.drain_timeout_s)
+        except grpc.RpcError as exc:
+            self._skipped.add(occurrence)
+            self.events.emit("fault_skipped", fault=fault.kind, target=name, action="inject",
+                             reason=f"the drain was refused: {exc.details()}")
+            return
+        if coordinator is self.coordinator:
+            self.coordinator_up = False
+        assert coordinator.process is not None
+        self.events.emit("process_exit", name=name, code=code, pid=coordinator.process.pid)
+        self._drained[occurrence] = (name, coordinator)
+        detail = f"{response.role}: {response.rounds_committed} versions committed"
+        if response.rounds_left_open:
+            detail += f", rounds left open on fragments {list(response.rounds_left_open)}"
+        if response.leader:
+            detail += f"; {response.leader} leads (epoch {response.epoch})"
+        self.events.emit("fault", fault=fault.kind, target=name, action="inject",
+                         detail=f"{detail}; exited {code}")
+
+    def _drain_candidate(self, target: str) -> tuple[str, CoordinatorProcess] | str:
+        """(name, process) of the coordinator a drain targets now, or why there is none."""
+        if self.replicas is None:
+            return (("coordinator", self.coordinator) if self.coordinator_up
+                    else "the coordinator is down")
+        if target == "leader":
+            try:
+                index, _ = self.replicas.leader(timeout=10)
+            except TimeoutError:
+                return "no replica answered as leader within 10 s"
+        else:
+            roles = self.replicas.roles()
+            wanted = [i for i, (role, _) in enumerate(roles)
+                      if (role == "standby" if target == "standby" else f"r{i}" == target)
+                      and role != "down"]
+            if not wanted:
+                return f"no replica answers as {target}"
+            index = wanted[0]
+        return f"r{index}", self.replicas.replicas[index]
 
     def _await_grace(self, index: int) -> bool:
         """Until replica `index` shows a round in its grace window (or the wait ends)."""

@@ -40,7 +40,7 @@ def test_the_shipped_set_is_complete() -> None:
     assert {p.stem for p in EXPERIMENTS} >= {
         "quickstart", "quickstart-sync", "learner-storm", "stragglers", "partition",
         "adversarial", "coordinator-restart", "ha-leader-kill", "ha-partition-leader",
-        "ha-etcd-member-kill", "ha-secure"}
+        "ha-etcd-member-kill", "ha-secure", "rolling-upgrade"}
 
 
 @pytest.mark.parametrize(("fault", "needles"), [
@@ -185,6 +185,35 @@ def test_leader_faults_target_the_leader_and_etcd_faults_a_seeded_member(
     assert members and set(members) <= {"m0", "m1", "m2"}
     assert members == [a.target for a in schedule(load_experiment(path))
                        if a.fault.kind == "kill_etcd_member"]
+
+
+HA_ADDRESSES = HA.replace("count = 3", 'count = 3\ndiscovery = "addresses"')
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    (BASE + '\n[[faults]]\nkind = "drain_replica"\ntarget = "leader"\nat_s = 1\n',
+     "faults.0.target 'leader' needs coordinator.replicas > 1"),
+    (HA_ADDRESSES + '\n[[faults]]\nkind = "drain_replica"\ntarget = "coordinator"\nat_s = 1\n',
+     "faults.0.target 'coordinator' is for a single coordinator"),
+    (HA_ADDRESSES + '\n[[faults]]\nkind = "drain_replica"\ntarget = "r2"\nat_s = 1\n',
+     "faults.0.target 'r2' is not a replica of this experiment (r0..r1)"),
+    (BASE + '\n[[faults]]\nkind = "drain_replica"\ntarget = "learner-0"\nat_s = 1\n',
+     "target of drain_replica must be 'coordinator', 'leader', 'standby' or a replica"),
+    (BASE + '\n[[faults]]\nkind = "drain_replica"\ndrain_timeout_s = 0\nat_s = 1\n',
+     "drain_timeout_s must be positive"),
+])
+def test_bad_drain_target(tmp_path: Path, text: str, needle: str) -> None:
+    assert needle in error_of(tmp_path, text)
+
+
+@pytest.mark.parametrize(("text", "target"), [
+    (BASE, "coordinator"), (HA_ADDRESSES, "leader")])
+def test_a_drain_of_no_named_target_drains_the_coordinator_or_the_leader(
+        tmp_path: Path, text: str, target: str) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(text + '\n[[faults]]\nkind = "drain_replica"\nat_s = 1\n')
+    actions = schedule(load_experiment(path))
+    assert [(a.target, a.heal) for a in actions] == [(target, False), (target, True)]
 
 
 def test_every_adversary_runs_as_a_learner_of_its_own(tmp_path: Path) -> None:
