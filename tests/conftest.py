@@ -7,6 +7,7 @@ import pytest
 
 from protos.tls import TlsConfig
 from tests.daemon import Daemon
+from tests.docker import image, network  # noqa: F401 (fixtures)
 from tests.etcd import etcd, etcd_cluster  # noqa: F401 (fixtures)
 
 
