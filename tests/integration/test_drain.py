@@ -31,8 +31,12 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.events import EventLog
 from tests.daemon import Daemon, wait_until
+from tests.integration import test_tls
+from tests.integration.test_tls import server_flags
 
 StartDaemon = Callable[..., Daemon]
+# A CA with coordinator, admin and learner certificates (module-scoped), as in test_tls.
+certs = test_tls.certs
 NUMELS = [1000, 500]
 SYNCHRONIZER = "ftsync.v1.Synchronizer"
 
@@ -80,6 +84,27 @@ def test_the_health_command_says_serving_then_drain_stops_the_daemon(
     assert daemon.process is not None and daemon.process.wait(timeout=15) == 0
     gone = coordinator_cli("health", "--address", daemon.address, "--timeout", "2")
     assert gone.returncode == 1 and gone.stdout.startswith("UNKNOWN")
+
+
+def test_health_and_drain_over_mutual_tls_take_the_tls_flags(
+        start_daemon: StartDaemon, certs: Path) -> None:
+    daemon = start_daemon(*server_flags(certs), admin_tls=test_tls.files(certs, "admin"))
+
+    def as_(stem: str) -> list[str]:
+        return ["--tls-cert", str(certs / f"{stem}.pem"), "--tls-key", str(certs / f"{stem}.key"),
+                "--tls-ca", str(certs / "ca.pem")]
+
+    plaintext = coordinator_cli("health", "--address", daemon.address)
+    assert plaintext.returncode == 1 and "this client speaks plaintext" in plaintext.stdout
+    # Any certificate the CA signed may probe; only the admin's may drain.
+    probe = coordinator_cli("health", "--address", daemon.address, *as_("learner-a"))
+    assert (probe.returncode, probe.stdout.strip()) == (0, "SERVING")
+    refused = coordinator_cli("drain", "--address", daemon.address, *as_("learner-a"))
+    assert refused.returncode == 1 and "ftsync-admin" in refused.stderr
+    assert not daemon.status().draining
+    drained = coordinator_cli("drain", "--address", daemon.address, *as_("admin"))
+    assert drained.returncode == 0, drained.stderr
+    assert daemon.process is not None and daemon.process.wait(timeout=15) == 0
 
 
 def test_drain_without_the_admin_credentials_is_refused_and_changes_nothing(
