@@ -9,13 +9,17 @@ cap paces what is due, a partition discards everything. With no fault active
 the proxy only copies bytes, with large buffers and backpressure, fast enough
 for gRPC pushes of hundreds of MB/s. `FaultProxy` runs on the caller's asyncio
 loop; `ThreadedProxy` runs one on its own loop in a background thread for
-synchronous callers such as the chaos harness.
+synchronous callers such as the chaos harness. `python -m chaos.proxy` runs
+one as a process of its own (the docker backend runs it in a container beside
+the learner it serves), switched by one-line commands on a control port.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import socket
 import struct
 import threading
@@ -24,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-__all__ = ["FaultProxy", "ProxyStats", "ThreadedProxy", "parse_address"]
+__all__ = ["FaultProxy", "ProxyStats", "ThreadedProxy", "control", "parse_address"]
 
 T = TypeVar("T")
 
@@ -529,3 +533,85 @@ class ThreadedProxy:
         async def on_loop() -> T:
             return call()
         return self._submit(on_loop())
+
+
+# -- as a process of its own ------------------------------------------------------------
+
+def _command(proxy: FaultProxy, line: str) -> dict[str, Any]:
+    """Apply one control line to `proxy`; the answer (its state, or the error)."""
+    words = line.split()
+    try:
+        match words:
+            case ["latency", ms]:
+                proxy.set_latency(float(ms))
+            case ["bandwidth", rate]:
+                proxy.set_bandwidth(float(rate) or None)
+            case ["partition"]:
+                proxy.partition()
+            case ["heal"]:
+                proxy.heal()
+            case ["reset"]:
+                proxy.reset_connections()
+            case ["describe"]:
+                pass
+            case _:
+                return {"error": f"unknown command {line.strip()!r}; commands: latency MS, "
+                                 f"bandwidth BYTES_PER_S (0: no cap), partition, heal, reset, "
+                                 f"describe"}
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return proxy.describe()
+
+
+async def _serve(listen: str, upstream: str, control_listen: str) -> None:
+    host, port = parse_address(listen)
+    proxy = FaultProxy(upstream, host=host, port=port)
+    await proxy.start()
+
+    async def on_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while line := await reader.readline():
+                writer.write(json.dumps(_command(proxy, line.decode())).encode() + b"\n")
+                await writer.drain()
+        writer.close()
+
+    control_host, control_port = parse_address(control_listen)
+    server = await asyncio.start_server(on_control, control_host, control_port)
+    print(f"proxy listening on {proxy.address}, forwarding to {upstream}; control on "
+          f"{control_listen}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def control(address: str, command: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Send one command to a `python -m chaos.proxy` control port; its answer.
+    Raises `RuntimeError` when it refuses the command, `OSError` when unreachable."""
+    host, port = parse_address(address)
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        sock.sendall(command.encode() + b"\n")
+        reply = sock.makefile("rb").readline()
+    if not reply:
+        raise OSError(f"proxy control {address} closed without answering {command!r}")
+    answer: dict[str, Any] = json.loads(reply)
+    if "error" in answer:
+        raise RuntimeError(f"proxy control {address}: {answer['error']}")
+    return answer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m chaos.proxy",
+        description="A fault-injecting TCP proxy, switched through a control port.")
+    parser.add_argument("--listen", required=True, help="HOST:PORT to accept connections on")
+    parser.add_argument("--upstream", required=True, help="HOST:PORT to forward them to")
+    parser.add_argument("--control", required=True,
+                        help="HOST:PORT of the control port: one command a line (latency MS, "
+                             "bandwidth BYTES_PER_S, partition, heal, reset, describe), "
+                             "each answered with the proxy's state as one JSON line")
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args.listen, args.upstream, args.control))
+
+
+if __name__ == "__main__":
+    main()
