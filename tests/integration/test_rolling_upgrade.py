@@ -33,8 +33,9 @@ def test_the_rolling_upgrade_experiment_passes_every_check(tmp_path: Path) -> No
     text = edited((ROOT / "experiments" / "rolling-upgrade.toml").read_text(),
                   ("max_duration_s = 150", "max_duration_s = 60"),
                   ("count = 4", "count = 2"),
-                  ('task = "lm-stdlib"', 'task = "synthetic"\nargs = ["--step-ms", "5"]'),
-                  ("steps = 1200", "steps = 2500"),
+                  # At least 20 s of steps, however fast the machine: past the last heal.
+                  ('task = "lm-stdlib"', 'task = "synthetic"\nargs = ["--step-ms", "10"]'),
+                  ("steps = 1200", "steps = 2000"),
                   ("at_s = 15", "at_s = 4"), ("duration_s = 5", "duration_s = 2"),
                   ("at_s = 40", "at_s = 11"), ("duration_s = 5", "duration_s = 2"))
     events, summary = run(tmp_path, "rolling-upgrade", text)
@@ -59,10 +60,12 @@ def test_the_rolling_upgrade_experiment_passes_every_check(tmp_path: Path) -> No
 
 def test_a_single_coordinator_drained_for_an_upgrade_resumes_where_it_stopped(
         tmp_path: Path) -> None:
-    # Late enough that the learners have made the run and its first versions.
+    # Late enough that the learners have made the run and its first versions, and
+    # 900 steps of at least 20 ms: they are still training when it comes back.
     text = EXPERIMENT.format(kind="drain_replica", target="coordinator", duration=2, top="",
                              coordinator="", steps=900, learners="", etcd="", checks="",
-                             extra="").replace("at_s = 2.5", "at_s = 6")
+                             extra="").replace("at_s = 2.5", "at_s = 6").replace(
+        '"--step-ms", "5"', '"--step-ms", "20"')
     events, summary = run(tmp_path, "drain-coordinator", text)
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
     inject, heal = drains(events)
