@@ -23,7 +23,7 @@ FaultKind = Literal[
     "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
     "latency", "bandwidth", "reset_connections", "adversary",
     "kill_leader", "pause_leader", "partition_leader_from_etcd", "kill_etcd_member",
-    "drain_replica",
+    "drain_replica", "partition",
 ]
 LEARNER_FAULTS = {"kill_learner", "pause_learner", "straggle", "partition_learner",
                   "latency", "bandwidth", "reset_connections"}
@@ -34,6 +34,10 @@ LEADER_FAULTS = {"kill_leader", "pause_leader", "partition_leader_from_etcd"}
 # a standby or a replica by name (r0, r1, ...).
 DRAIN_TARGETS = re.compile(r"random|coordinator|leader|standby|r\d+")
 ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
+# What `partition` cuts and cuts from, beside learner ids: the one coordinator, the
+# leader (found when it strikes), a replica (r0, ...), an etcd member (m0, ...), or
+# every etcd member ("etcd", in cut_from only).
+PARTITION_NAME = re.compile(r"coordinator|leader|r\d+|m\d+|learner-\d+|random")
 # The outer optimizer of async runs unless their settings say otherwise (BENCHMARKS.md).
 ASYNC_OUTER: Final = {"outer.lr": 0.3, "outer.momentum": 0.0}
 
@@ -150,6 +154,9 @@ class FaultSpec:
     # and hand its leadership over (Admin.Drain); then it exits, and restarts (as
     # an upgraded binary would) duration_s later.
     drain_timeout_s: float = 30.0
+    # partition (backend = "docker"): whom the target is cut from; empty: from every
+    # other process of the run.
+    cut_from: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         when = [k for k in ("at_s", "every_s", "mtbf_s") if getattr(self, k) is not None]
@@ -187,8 +194,22 @@ class FaultSpec:
         unknown = sorted(set(self.adversary) - set(ADVERSARY_KINDS))
         if unknown:
             raise ValueError(f"adversary kinds {unknown} unknown; valid: {list(ADVERSARY_KINDS)}")
+        if self.kind == "partition":
+            self._check_partition()
+        elif self.cut_from:
+            raise ValueError(f"cut_from applies to partition only (kind is {self.kind!r})")
         if self.latency_ms < 0 or self.bandwidth_bytes_s <= 0:
             raise ValueError("latency_ms must be >= 0 and bandwidth_bytes_s > 0")
+
+    def _check_partition(self) -> None:
+        if not PARTITION_NAME.fullmatch(self.target):
+            raise ValueError(f"target of partition must be a learner id, 'coordinator', "
+                             f"'leader', a replica (r0, ...), an etcd member (m0, ...) or "
+                             f"'random' (got {self.target!r})")
+        for name in self.cut_from:
+            if name == "random" or not (name == "etcd" or PARTITION_NAME.fullmatch(name)):
+                raise ValueError(f"cut_from {name!r}: a learner id, 'coordinator', 'leader', "
+                                 f"a replica (r0, ...), an etcd member (m0, ...) or 'etcd'")
 
 
 @dataclass(frozen=True)
@@ -217,6 +238,16 @@ class ChecksSpec:
 
 
 @dataclass(frozen=True)
+class DockerSpec:
+    # The image every container of a docker run starts from (deploy/docker/build).
+    image: str = "ftsync:latest"
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ValueError("docker.image must not be empty")
+
+
+@dataclass(frozen=True)
 class Experiment:
     name: str
     seed: int = 0
@@ -227,6 +258,10 @@ class Experiment:
     # Mutual TLS on every channel (learners, replicas, peers, etcd, the harness's own
     # Admin calls), with a CA and certificates the run makes under OUT/certs.
     tls: bool = False
+    # Where the topology runs: "process" (local processes) or "docker" (a container
+    # per process on a network of the run's own; see chaos/docker.py).
+    backend: Literal["process", "docker"] = "process"
+    docker: DockerSpec = field(default_factory=DockerSpec)
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec)
     etcd: EtcdSpec = field(default_factory=EtcdSpec)
     learners: LearnerSpec = field(default_factory=LearnerSpec)
@@ -245,9 +280,13 @@ class Experiment:
             if fault.kind in LEARNER_FAULTS and fault.target not in ids | {"random"}:
                 raise ValueError(f"faults.{i}.target {fault.target!r} is not a learner of "
                                  f"this experiment ({', '.join(sorted(ids))} or 'random')")
-            if fault.kind in NETWORK_FAULTS and not self.proxy:
+            # Containers cut a learner off with network rules; its link faults need
+            # the proxy on either backend.
+            if fault.kind in NETWORK_FAULTS and not self.proxy and not (
+                    self.backend == "docker" and fault.kind == "partition_learner"):
                 raise ValueError(f"faults.{i}.kind {fault.kind!r} needs proxy = true")
             self._check_ha_fault(i, fault)
+            self._check_backend_fault(i, fault)
         self._check_ha_topology()
 
     @property
@@ -268,6 +307,9 @@ class Experiment:
         if replicas > 1 and self.proxy:
             raise ValueError("proxy = true puts one proxy in front of one coordinator; "
                              "set proxy = false with coordinator.replicas > 1")
+        if self.coordinator.etcd_proxies and self.backend == "docker":
+            raise ValueError("coordinator.etcd_proxies is for backend = \"process\"; docker cuts "
+                             "a leader from etcd with network rules")
         if self.coordinator.etcd_proxies and replicas == 1:
             raise ValueError("coordinator.etcd_proxies needs coordinator.replicas > 1")
         if replicas > 1 and self.coordinator.mode == "sync":
@@ -276,7 +318,8 @@ class Experiment:
     def _check_ha_fault(self, i: int, fault: FaultSpec) -> None:
         if fault.kind in LEADER_FAULTS and not self.highly_available:
             raise ValueError(f"faults.{i}.kind {fault.kind!r} needs coordinator.replicas > 1")
-        if fault.kind == "partition_leader_from_etcd" and not self.coordinator.etcd_proxies:
+        if (fault.kind == "partition_leader_from_etcd" and not self.coordinator.etcd_proxies
+                and self.backend == "process"):
             raise ValueError(f"faults.{i}.kind 'partition_leader_from_etcd' needs "
                              f"coordinator.etcd_proxies = true")
         if fault.kind == "kill_coordinator" and self.highly_available:
@@ -294,6 +337,25 @@ class Experiment:
                 raise ValueError(f"faults.{i}.target {fault.target!r} is not an etcd member "
                                  f"({', '.join(members)} or 'random')")
 
+
+    def _check_backend_fault(self, i: int, fault: FaultSpec) -> None:
+        if self.backend == "process" and fault.kind == "partition":
+            raise ValueError(f"faults.{i}.kind 'partition' needs backend = \"docker\" (local "
+                             f"processes share one network stack; use partition_learner)")
+        if self.backend == "docker" and fault.kind == "drain_replica":
+            raise ValueError(f"faults.{i}.kind 'drain_replica' runs on backend = \"process\" "
+                             f"only")
+        if fault.kind != "partition":
+            return
+        names = {*self.learners.ids(), *self.etcd.ids(), "random", "etcd",
+                 *(("leader", *(f"r{r}" for r in range(self.coordinator.replicas)))
+                   if self.highly_available else ("coordinator",))}
+        for name in [fault.target, *fault.cut_from]:
+            if name not in names:
+                raise ValueError(f"faults.{i}: {name!r} is not a process of this experiment "
+                                 f"({', '.join(sorted(names - {'random', 'etcd'}))})")
+        if fault.target in fault.cut_from:
+            raise ValueError(f"faults.{i}.cut_from names its own target {fault.target!r}")
 
     def _check_drain_target(self, i: int, target: str) -> None:
         replicas = self.coordinator.replicas
@@ -342,6 +404,8 @@ def schedule(experiment: Experiment) -> list[Action]:
                 target = "leader"
             elif fault.kind == "kill_etcd_member" and target == "random":
                 target = rng.choice(experiment.etcd.ids())
+            elif fault.kind == "partition" and target == "random":
+                target = rng.choice(experiment.learners.ids())
             elif fault.kind == "drain_replica" and target == "random":
                 target = "leader" if experiment.highly_available else "coordinator"
             elif target == "random":

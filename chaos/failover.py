@@ -29,9 +29,10 @@ import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -40,6 +41,7 @@ from chaos.checkers import CheckResult
 from chaos.local import CoordinatorProcess
 from coordinator.durability import read_manifests
 from learner.client import Refused, SynchronizerClient
+from protos import ftsync_pb2 as pb
 from protos.tls import TlsConfig
 
 Contribution = tuple[str, int, int]  # (learner, fragment, seq)
@@ -105,24 +107,11 @@ class ReplicaSet:
 
     def roles(self) -> list[tuple[str, int]]:
         """(role, epoch) of each replica; ("down", 0) for one that does not answer."""
-        result = []
-        for replica in self.replicas:
-            try:
-                status = replica.status(timeout=0.5)
-                result.append((status.role, int(status.epoch)))
-            except Exception:  # a dead or paused replica: anything grpc raises
-                result.append(("down", 0))
-        return result
+        return roles(self.replicas)
 
     def leader(self, timeout: float = 30.0, newer_than: int = 0) -> tuple[int, int]:
         """(index, epoch) of the leader, once one leads with an epoch above `newer_than`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for index, (role, epoch) in enumerate(self.roles()):
-                if role == "leader" and epoch > newer_than:
-                    return index, epoch
-            time.sleep(0.05)
-        raise TimeoutError(f"no leader above epoch {newer_than} within {timeout}s")
+        return find_leader(self.replicas, timeout, newer_than)
 
     def wait_in_sync(self, timeout: float = 30.0) -> None:
         """Until the leader has recorded every live replica as in sync."""
@@ -137,6 +126,36 @@ class ReplicaSet:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"replicas not in sync within {timeout}s")
+
+
+class Replica(Protocol):
+    """A replica the harness asks for its Admin.Status: a local process or a container."""
+
+    def status(self, timeout: float = ...) -> pb.StatusResponse: ...
+
+
+def roles(replicas: Sequence[Replica]) -> list[tuple[str, int]]:
+    """(role, epoch) of each replica; ("down", 0) for one that does not answer."""
+    result = []
+    for replica in replicas:
+        try:
+            status = replica.status(timeout=0.5)
+            result.append((status.role, int(status.epoch)))
+        except Exception:  # a dead or paused replica: anything grpc raises
+            result.append(("down", 0))
+    return result
+
+
+def find_leader(replicas: Sequence[Replica], timeout: float = 30.0,
+                newer_than: int = 0) -> tuple[int, int]:
+    """(index, epoch) of the leader, once one leads with an epoch above `newer_than`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for index, (role, epoch) in enumerate(roles(replicas)):
+            if role == "leader" and epoch > newer_than:
+                return index, epoch
+        time.sleep(0.05)
+    raise TimeoutError(f"no leader above epoch {newer_than} within {timeout}s")
 
 
 # -- learners ------------------------------------------------------------------------

@@ -378,7 +378,8 @@ def outages(events: Sequence[Event]) -> list[Outage]:
             target = COORDINATOR if fault.endswith("_coordinator") else str(e.get("target"))
             cause = {"kill_learner": DOWN, "restart_learner": DOWN, "kill_coordinator": DOWN,
                      "restart_coordinator": DOWN, "pause_learner": PAUSED,
-                     "partition_learner": PARTITIONED, "straggle": STRAGGLING}.get(fault)
+                     "partition_learner": PARTITIONED, "partition": PARTITIONED,
+                     "straggle": STRAGGLING}.get(fault)
             if cause is None:
                 continue
             if action == "heal":

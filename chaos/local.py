@@ -28,6 +28,16 @@ class StartError(RuntimeError):
     """A process of an experiment's topology did not start; says why in one line."""
 
 
+def admin_status(address: str, admin_tls: TlsConfig | None, admin_token: str,
+                 timeout: float = 10.0) -> pb.StatusResponse:
+    """A coordinator's Admin.Status, asked as an operator (token, admin certificate)."""
+    with tls.channel(address, tls.load(admin_tls)) as channel:
+        metadata = [("authorization", f"Bearer {admin_token}")] if admin_token else None
+        response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
+            pb.StatusRequest(), timeout=timeout, metadata=metadata)
+        return response
+
+
 @dataclass
 class CoordinatorProcess:
     """A `python -m coordinator` process; start() returns once it listens."""
@@ -99,12 +109,7 @@ class CoordinatorProcess:
         return self.process.returncode
 
     def status(self, timeout: float = 10.0) -> pb.StatusResponse:
-        with tls.channel(self.address, tls.load(self.admin_tls)) as channel:
-            metadata = ([("authorization", f"Bearer {self.admin_token}")]
-                        if self.admin_token else None)
-            response: pb.StatusResponse = pb_grpc.AdminStub(channel).Status(
-                pb.StatusRequest(), timeout=timeout, metadata=metadata)
-            return response
+        return admin_status(self.address, self.admin_tls, self.admin_token, timeout)
 
     def drain(self, timeout_s: float = 30.0) -> tuple[pb.DrainResponse, int]:
         """`Admin.Drain`, then the daemon's exit: (its answer, its exit status).

@@ -41,6 +41,13 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     except ConfigError as exc:
         print(f"ftsync-chaos: {exc}", file=sys.stderr)
         return 2
+    if experiment.backend == "docker":
+        from chaos.docker import engine_problem
+
+        problem = engine_problem()
+        if problem is not None:
+            print(f"ftsync-chaos: {problem}", file=sys.stderr)
+            return 3
     out = out or Path("runs") / experiment.name
     if out.exists():
         if not _earlier_run(out):
