@@ -5,21 +5,52 @@ so a version a learner has seen is never lost when the daemon dies. Each
 file holds one fragment's committed version: fp32 parameters, outer-momentum,
 the per-learner merged-seq watermarks and the version's manifest, behind a
 checksummed header, written to a temporary file, fsynced and renamed into
-place. `manifests.jsonl` keeps every manifest, for the exactly-once checkers.
-With high availability each record also names the epoch of the leader that
-committed it, and a standby writes the versions the leader streams to it the
-same way; where two records share a fragment and version, the one of the
+place. With high availability each record also names the epoch of the leader
+that committed it, and a standby writes the versions the leader streams to it
+the same way; where two records share a fragment and version, the one of the
 newer epoch stands (the other was written by a deposed leader and never
 published). Called by `coordinator.store` on each commit and at start-up,
 and by `coordinator.engine` for replicated versions.
+
+Every manifest is also appended to a log, the audit trail the exactly-once
+checkers read (`read_manifests`, its one reader). The daemon runs for weeks,
+so the log is segmented: `manifests.jsonl` is the active segment, and the
+first commit that finds it `segment_bytes` long (512 KiB by default) seals it
+as `manifests/<its number>.jsonl` and starts the next segment with a snapshot
+line: its number and, per fragment, the version and epoch last logged. That
+is all resume needs of the history (was the manifest of each fragment's file
+logged before the daemon died?), so resume reads the active segment's first
+line and then its lines from the end, only as far back as each fragment's
+last record (a fragment that did not commit in this segment is in the
+snapshot): a few kilobytes, at most one segment, however old the run. Sealed
+segments are never read on the daemon's path; the newest `keep_segments` of
+them (16 by default, so the log stays under 8.5 MiB) are kept for audits and
+older ones deleted, so the directory stays bounded too. An audit sees that
+window only (about 50,000 commits of one small contribution each; the chaos
+harness's runs stay far inside it); whoever needs every manifest of a longer
+run has them in the event log's `commit` events, the operator's file to keep
+or rotate. A state directory written before segments has no snapshot line:
+its log is sealed whole, as segment 0, at the first roll.
+
+A roll survives a crash at any point: the new segment is written as
+`manifests.next.jsonl` first, then the active one is renamed into
+`manifests/`, then the new one into place. Found at start with the active
+segment still there, the next one is dropped (the roll had not begun);
+found alone, it is moved into place (the roll had sealed the old one). A
+last line torn by a crash (or a full disk) is cut off. One `StateDir` writes
+a directory at a time: it reads the active segment once and keeps what it
+learned; its appends and rolls take a lock, as fragments commit in parallel
+worker threads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import struct
+import threading
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +62,15 @@ import numpy as np
 _MAGIC = b"FTSYNCF1"
 # Header length, then the CRC-32 of header and payload together.
 _PREFIX = struct.Struct("<QI")
+# The manifest log: the active segment, the next one while a roll is under way,
+# and the directory of sealed segments.
+_ACTIVE = "manifests.jsonl"
+_NEXT = "manifests.next.jsonl"
+_SEALED = "manifests"
+SEGMENT_BYTES = 512 << 10
+KEEP_SEGMENTS = 16
+# Bytes read at a time when the active segment is parsed from its end.
+_BLOCK = 8 << 10
 
 
 class StateError(RuntimeError):
@@ -66,14 +106,88 @@ def new_commit_id() -> int:
     return 1 + secrets.randbelow(2**64 - 1)
 
 
+class _Log:
+    """What the writer knows of the manifest log, from the active segment.
+
+    The last record logged for a fragment is found by parsing the active
+    segment from its end, only as far back as needed (the fragments that
+    committed lately are at its end), and else in the segment's snapshot;
+    what was parsed is kept, and appends update it."""
+
+    def __init__(self, path: Path, segment: int, base: dict[int, tuple[int, int]],
+                 start: int, size: int) -> None:
+        self.path = path
+        self.segment = segment
+        # Bytes in the active segment.
+        self.size = size
+        # Fragment → (version, epoch) last logged before the active segment.
+        self._base = base
+        # Records in [start, cursor) are not parsed yet; cursor is at a line's end.
+        self._start = start
+        self._cursor = size
+        # Fragment → (version, epoch) of its newest record in the active segment.
+        self._newest: dict[int, tuple[int, int]] = {}
+
+    def latest(self, fragment: int) -> tuple[int, int] | None:
+        """(version, epoch) of the last record logged for `fragment`, if any."""
+        self._parse_back(fragment)
+        return self._newest.get(fragment, self._base.get(fragment))
+
+    def every_latest(self) -> dict[int, tuple[int, int]]:
+        self._parse_back(None)
+        return {**self._base, **self._newest}
+
+    def appended(self, fragment: int, version: int, epoch: int, nbytes: int) -> None:
+        self._newest[fragment] = (version, epoch)
+        self.size += nbytes
+
+    def _parse_back(self, fragment: int | None) -> None:
+        """Parse records from the cursor backwards until `fragment`'s is found
+        (None: all of them)."""
+        block = _BLOCK
+        while self._cursor > self._start and (fragment is None
+                                              or fragment not in self._newest):
+            low = max(self._start, self._cursor - block)
+            with open(self.path, "rb") as log:
+                log.seek(low)
+                data = log.read(self._cursor - low)
+            # Up to its first newline, the block may end a line that starts before it.
+            keep = data.find(b"\n") + 1 if low > self._start else 0
+            if low > self._start and keep in (0, len(data)):
+                block *= 2  # a line longer than the block
+                continue
+            for line in reversed(data[keep:].split(b"\n")):
+                if line.strip():
+                    self._take(line)
+            self._cursor = low + keep
+
+    def _take(self, line: bytes) -> None:
+        try:
+            entry = json.loads(line)
+            key = (int(entry["version"]), int(entry.get("epoch", 0)))
+            self._newest.setdefault(int(entry["fragment"]), key)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StateError(f"{self.path}: not a manifest record: {line[:80]!r} "
+                             f"({exc!r})") from exc
+
+
 class StateDir:
     """The files of one run under one directory."""
 
-    def __init__(self, root: str | Path, fsync: bool = True) -> None:
+    def __init__(self, root: str | Path, fsync: bool = True,
+                 segment_bytes: int = SEGMENT_BYTES,
+                 keep_segments: int | None = KEEP_SEGMENTS) -> None:
+        """`keep_segments`: sealed manifest segments kept (None: all of them)."""
         self.root = Path(root)
         self.fsync = fsync
+        self.segment_bytes = segment_bytes
+        self.keep_segments = keep_segments
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "fragments").mkdir(exist_ok=True)
+        self._log: _Log | None = None
+        # Fragments commit in parallel, each in a worker thread: one appends (or
+        # rolls the log) at a time.
+        self._log_lock = threading.Lock()
 
     # -- run ---------------------------------------------------------------
 
@@ -125,41 +239,128 @@ class StateDir:
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise StateError(f"{path}: {exc}") from exc
 
+    # -- manifest log ----------------------------------------------------------
+
     def manifests(self) -> list[dict[str, Any]]:
-        """Every committed manifest, oldest first."""
-        path = self.root / "manifests.jsonl"
-        return _manifest_lines(path.read_text()) if path.exists() else []
+        """Every manifest the directory still holds, oldest first (`read_manifests`)."""
+        return read_manifests(self.root)
 
     def restore_manifests(self, records: Iterable[FragmentRecord]) -> None:
         """Append the manifest of every record the log lacks: a fragment file is
         renamed into place before its manifest line is appended, so a crash between
-        the two leaves the line missing, and the file still holds it. A last line
-        torn by the crash (or a full disk) is cut off first; its record restores it."""
-        path = self.root / "manifests.jsonl"
-        complete = ""
-        if path.exists():
-            text = path.read_text()
-            complete = text[:text.rfind("\n") + 1]
-            if complete != text:
-                self._atomic_write(path, [complete.encode()])
-        logged = {(m["fragment"], m["version"]) for m in _manifest_lines(complete)}
-        for record in records:
-            if (record.fragment, record.version) not in logged:
-                self._append_manifest(record)
+        the two leaves the line missing, and the file still holds it. The log lacks
+        it when the last record logged for its fragment is another version or epoch.
+        Reads the active segment's snapshot and its end only; a last line torn by
+        the crash (or a full disk) is cut off first, and its record restores it."""
+        with self._log_lock:
+            for record in records:
+                # Asked anew each time: an append may have rolled the log.
+                log = self._opened_log()
+                if log.latest(record.fragment) != (record.version, record.epoch):
+                    self._append(record)
 
     # -- internals -------------------------------------------------------------
 
+    def _opened_log(self) -> _Log:
+        if self._log is None:
+            self._log = self._open_log()
+        return self._log
+
+    def _open_log(self) -> _Log:
+        """Finish or undo a roll a crash interrupted, cut a torn last line, and
+        read the active segment's snapshot; its records are parsed as needed."""
+        active, pending = self.root / _ACTIVE, self.root / _NEXT
+        if pending.exists():
+            if active.exists():
+                pending.unlink()
+            else:
+                os.replace(pending, active)
+                self._sync_dir(self.root)
+        if not active.exists():
+            return _Log(active, 0, {}, 0, 0)
+        with open(active, "rb") as log:
+            first = log.readline()
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(size - 1, 0))
+            torn = size > 0 and log.read(1) != b"\n"
+        segment, base, start = 0, {}, 0
+        if first.startswith(b'{"snapshot"') and first.endswith(b"\n"):
+            try:
+                snapshot = json.loads(first)["snapshot"]
+                segment = int(snapshot["segment"])
+                base = {int(f): (int(v), int(e)) for f, (v, e) in snapshot["latest"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise StateError(f"{active}: its first line is not a snapshot: "
+                                 f"{exc!r}") from exc
+            start = len(first)
+        if torn:
+            size = self._cut_torn_line(active, start, size)
+        return _Log(active, segment, base, start, size)
+
+    def _cut_torn_line(self, path: Path, start: int, size: int) -> int:
+        """Truncate `path` after its last complete line (not before `start`)."""
+        end = size
+        with open(path, "r+b") as log:
+            while end > start:
+                low = max(start, end - _BLOCK)
+                log.seek(low)
+                newline = log.read(end - low).rfind(b"\n")
+                if newline >= 0:
+                    end = low + newline + 1
+                    break
+                end = low
+            log.truncate(end)
+            log.flush()
+            if self.fsync:
+                os.fsync(log.fileno())
+        return end
+
     def _append_manifest(self, record: FragmentRecord) -> None:
+        with self._log_lock:
+            self._append(record)
+
+    def _append(self, record: FragmentRecord) -> None:
+        """Append one manifest record, rolling the log first if it is full; hold
+        the log's lock."""
+        log = self._opened_log()
+        if log.size >= self.segment_bytes:
+            log = self._roll(log)
         entry: dict[str, Any] = {"fragment": record.fragment, "version": record.version,
                                  "manifest": record.manifest}
         if record.epoch:  # embedded runs keep the format they always had
             entry["epoch"] = record.epoch
-        line = json.dumps(entry) + "\n"
-        with open(self.root / "manifests.jsonl", "a") as log:
-            log.write(line)
-            log.flush()
+        line = (json.dumps(entry) + "\n").encode()
+        with open(self.root / _ACTIVE, "ab") as out:
+            out.write(line)
+            out.flush()
             if self.fsync:
-                os.fsync(log.fileno())
+                os.fsync(out.fileno())
+        log.appended(record.fragment, record.version, record.epoch, len(line))
+
+    def _roll(self, log: _Log) -> _Log:
+        """Seal the active segment and start the next one with a snapshot."""
+        latest = log.every_latest()
+        snapshot = {"segment": log.segment + 1,
+                    "latest": {str(f): list(ve) for f, ve in sorted(latest.items())}}
+        line = (json.dumps({"snapshot": snapshot}) + "\n").encode()
+        pending = self.root / _NEXT
+        with open(pending, "wb") as out:
+            out.write(line)
+            out.flush()
+            if self.fsync:
+                os.fsync(out.fileno())
+        sealed = self.root / _SEALED
+        sealed.mkdir(exist_ok=True)
+        os.replace(self.root / _ACTIVE, sealed / f"{log.segment:012d}.jsonl")
+        os.replace(pending, self.root / _ACTIVE)
+        self._sync_dir(sealed)
+        self._sync_dir(self.root)
+        self._log = _Log(self.root / _ACTIVE, log.segment + 1, latest, len(line), len(line))
+        if self.keep_segments is not None:
+            segments = _sealed_segments(self.root)
+            for old in segments[:max(len(segments) - self.keep_segments, 0)]:
+                old.unlink()
+        return self._log
 
     def _atomic_write(self, path: Path, parts: list[bytes | memoryview] | list[bytes]) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -170,12 +371,86 @@ class StateDir:
             if self.fsync:
                 os.fsync(out.fileno())
         os.replace(tmp, path)
+        self._sync_dir(path.parent)
+
+    def _sync_dir(self, path: Path) -> None:
         if self.fsync:
-            dir_fd = os.open(path.parent, os.O_RDONLY)
+            dir_fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+
+
+def read_manifests(root: str | Path) -> list[dict[str, Any]]:
+    """Every manifest record a state directory still holds, oldest first: the kept
+    sealed segments, then the active one (snapshot lines left out). The one reader
+    of the manifest log, for audits (`chaos.failover`, tests, benchmarks); it reads
+    every kept segment and is never on the daemon's resume path. Safe while a daemon
+    writes: an unfinished last line is left out, and the active segment is read
+    first, so a roll meanwhile cannot make it miss a segment (the one just sealed
+    has the active segment's number, and only older ones are read)."""
+    root = Path(root)
+    active, text = _active_segment(root)
+    tail = _log_lines(text or "", active)
+    # With no active segment at all (removed by hand), every sealed one is older.
+    number = next((int(e["snapshot"]["segment"]) for e in tail if "snapshot" in e),
+                  0 if text is not None else math.inf)
+    entries: list[dict[str, Any]] = []
+    for segment in _sealed_segments(root):
+        if int(segment.stem) < number:
+            entries.extend(_log_lines(_complete(segment) or "", segment))
+    entries.extend(tail)
+    return [e for e in entries if "snapshot" not in e]
+
+
+def _active_segment(root: Path) -> tuple[Path, str | None]:
+    """The active segment's path and complete lines (None: there is none). A roll
+    moves it away and the next one in: between the two renames the next one is
+    the active one, and after them the active one is there again."""
+    for path in (root / _ACTIVE, root / _NEXT, root / _ACTIVE):
+        text = _complete(path)
+        if text is not None:
+            return path, text
+    return root / _ACTIVE, None
+
+
+def _sealed_segments(root: Path) -> list[Path]:
+    """The sealed manifest segments, oldest first (their names sort as they count)."""
+    sealed = root / _SEALED
+    if not sealed.is_dir():
+        return []
+    return sorted(p for p in sealed.iterdir()
+                  if p.suffix == ".jsonl" and p.stem.isdigit())
+
+
+def _complete(path: Path) -> str | None:
+    """The file's complete lines (None if it is not there)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return text[:text.rfind("\n") + 1]
+
+
+def _log_lines(text: str, path: Path) -> list[dict[str, Any]]:
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            raise StateError(f"{path}:{number}: not a manifest record: {exc}") from exc
+        snapshot = entry.get("snapshot") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not (
+                (isinstance(snapshot, dict) and isinstance(snapshot.get("segment"), int))
+                or (isinstance(entry.get("fragment"), int)
+                    and isinstance(entry.get("version"), int)
+                    and isinstance(entry.get("manifest"), list))):
+            raise StateError(f"{path}:{number}: not a manifest record: {line[:80]!r}")
+        entries.append(entry)
+    return entries
 
 
 def _parse_fragment(blob: bytes) -> FragmentRecord:
@@ -199,7 +474,3 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
         manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)),
         commit_id=int(header.get("commit_id", 0)))
-
-
-def _manifest_lines(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
