@@ -295,7 +295,7 @@ def run_task(args: argparse.Namespace) -> int:
     import torch
 
     from learner.api import Learner, resolve_device
-    from learner.tasks import task_named
+    from learner.tasks import import_dynamo_aside, task_named
 
     torch.set_num_threads(args.threads)
     try:
@@ -303,6 +303,7 @@ def run_task(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ftsync-learner: {exc}", file=sys.stderr)
         return 2
+    dynamo = import_dynamo_aside()
     task = task_named(args.task, seed=args.seed, device=device, size=args.size)
     model = task.build_model()
     optimizer = task.make_optimizer(model)
@@ -327,6 +328,7 @@ def run_task(args: argparse.Namespace) -> int:
               f"{sum(p.numel() for p in model.parameters()):,} parameters in "
               f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
         batches = task.train_batches(args.shard, args.num_shards)
+        dynamo.join()  # the first optimizer step imports it
         while run.steps < args.steps and not run.stop_signal and (
                 not args.tokens or run.tokens < args.tokens):
             loss, tokens = task.loss(model, next(batches))

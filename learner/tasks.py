@@ -24,6 +24,7 @@ import itertools
 import math
 import os
 import sysconfig
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -144,6 +145,29 @@ def _init_weights(model: nn.Module, seed: int, residual_std: float = 0.02) -> No
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+
+
+def import_dynamo_aside() -> threading.Thread:
+    """Import `torch._dynamo` (2-5 s here) in a thread, beside a learner's join.
+
+    Every optimizer step imports it (`torch.optim` marks steps for dynamo), and so
+    does an optimizer's construction: torch wraps `add_param_group` and a few
+    other methods in `torch._disable_dynamo`, which imports all of dynamo on the
+    first call only to mark the method as not to be compiled. Marking those
+    methods here lets the optimizer be built at once, and the import goes on while
+    the learner joins and catches up; join the thread before the first step. For
+    processes that never compile, such as `ftsync-learner`: with `torch.compile`
+    in play the marks matter."""
+    marker = torch._compile._disable_dynamo(lambda: None).__code__
+    for klass in (torch.optim.Optimizer, *torch.optim.Optimizer.__subclasses__()):
+        for attribute in vars(klass).values():
+            wrapped = getattr(attribute, "__wrapped__", None)
+            if wrapped is not None and getattr(attribute, "__code__", None) is marker:
+                wrapped.__dynamo_disable = wrapped
+    thread = threading.Thread(target=importlib.import_module, args=("torch._dynamo",),
+                              name="import-dynamo", daemon=True)
+    thread.start()
+    return thread
 
 
 def _adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
