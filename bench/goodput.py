@@ -11,31 +11,58 @@ Goodput = learner time whose work reached the global model / learner time
 allocated (see `chaos/metrics.py`). Targets: async goodput >= 0.90 and
 async/sync >= 1.5.
 
-Run from the repository root: `python -m bench.goodput [--out DIR]`. Progress
-goes to stderr; the last line of stdout is one JSON object.
+With `--backend docker` it runs instead `experiments/quickstart.toml` on local
+processes and `experiments/docker-quickstart.toml` (the same schedule and seed,
+every process a container; the image must be built, deploy/docker/build) and
+reports docker goodput / process goodput (target >= 0.90), and beside it each
+restarted learner's restart -> rejoin time (the harness's restart to the
+learner's next `join`) on both backends.
+
+Run from the repository root: `python -m bench.goodput [--backend docker]
+[--out DIR]`. Progress goes to stderr; the last line of stdout is one JSON
+object.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from chaos.experiment import load_experiment
-from chaos.history import load_log
+from chaos.experiment import DockerSpec, load_experiment
+from chaos.history import Event, load_log
 from chaos.metrics import goodput, uptime
 from chaos.runner import run_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 GOODPUT_TARGET = 0.90
 RATIO_TARGET = 1.5
+DOCKER_RATIO_TARGET = 0.90
 
 
-def measure(experiment_file: Path, out: Path) -> dict[str, float]:
+def rejoin_times(events: list[Event]) -> list[float]:
+    """Per learner restart (a kill_learner's heal), seconds to its next `join`."""
+    times = []
+    for restart in events:
+        if not (restart.source == "harness" and restart.kind == "fault"
+                and restart.get("fault") == "kill_learner" and restart.get("action") == "heal"):
+            continue
+        join = next((e for e in events if e.kind == "join" and e.t > restart.t
+                     and e.source == restart.get("target")), None)
+        if join is not None:
+            times.append(round(join.t - restart.t, 2))
+    return times
+
+
+def measure(experiment_file: Path, out: Path, image: str = "") -> dict[str, Any]:
     experiment = load_experiment(experiment_file)
+    if image:
+        experiment = dataclasses.replace(experiment, docker=DockerSpec(image))
     if out.exists():
         shutil.rmtree(out)
     started = time.monotonic()
@@ -44,17 +71,39 @@ def measure(experiment_file: Path, out: Path) -> dict[str, float]:
     events = load_log(sorted(out.glob("*.events.jsonl"))).events
     g = goodput(events)
     u = uptime(events, experiment.checks.window_s)
+    rejoin = rejoin_times(events)
     print(f"  {experiment.name}: goodput {g.value:.3f} ({g.useful_s:.0f} s useful of "
-          f"{g.allocated_s:.0f} s allocated), uptime {u.value:.3f}, wall {wall:.0f} s",
-          file=sys.stderr, flush=True)
+          f"{g.allocated_s:.0f} s allocated), uptime {u.value:.3f}, wall {wall:.0f} s, "
+          f"restart -> rejoin {rejoin} s", file=sys.stderr, flush=True)
     return {"goodput": g.value, "uptime": u.value, "useful_s": g.useful_s,
-            "allocated_s": g.allocated_s, "wall_s": wall}
+            "allocated_s": g.allocated_s, "wall_s": wall, "rejoin_s": rejoin}
+
+
+def compare_backends(out: Path, image: str) -> None:
+    print("quickstart on processes and docker-quickstart in containers, same faults and seed",
+          file=sys.stderr, flush=True)
+    p = measure(ROOT / "experiments" / "quickstart.toml", out / "process")
+    d = measure(ROOT / "experiments" / "docker-quickstart.toml", out / "docker", image)
+    print(json.dumps({
+        "name": "goodput-docker", "ratio": d["goodput"] / p["goodput"] if p["goodput"] else 0.0,
+        "target": DOCKER_RATIO_TARGET, "unit": "goodput docker / goodput process",
+        "goodput_docker": d["goodput"], "goodput_process": p["goodput"],
+        "rejoin_s_docker": d["rejoin_s"], "rejoin_s_process": p["rejoin_s"],
+        "docker": d, "process": p,
+    }), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench-goodput"))
+    parser.add_argument("--backend", choices=("process", "docker"), default="process",
+                        help="docker: the quickstart in containers against on processes")
+    parser.add_argument("--image", default="", help="with --backend docker: the image "
+                        "(default: the experiment's, ftsync:latest)")
     args = parser.parse_args(argv)
+    if args.backend == "docker":
+        compare_backends(args.out, args.image)
+        return
     print("quickstart (async) and quickstart-sync (lock-step), same faults and seed",
           file=sys.stderr, flush=True)
     a = measure(ROOT / "experiments" / "quickstart.toml", args.out / "async")
