@@ -518,7 +518,8 @@ def goodput_at_least(events: Sequence[Event], floor: float) -> CheckResult:
     the contributions whose work was lost, most work first."""
     g = metrics.goodput(events)
     details = {"goodput": g.value, "floor": floor, "useful_s": g.useful_s,
-               "allocated_s": g.allocated_s, "unmerged_s": g.unmerged_s,
+               "allocated_s": g.allocated_s, "unmerged_s": g.unmerged_s, "bound": g.bound,
+               "losses": {k: round(v, 4) for k, v in g.losses.items()},
                "fragments": g.fragments,
                "per_learner": {k: round(v.goodput, 4) for k, v in g.per_learner.items()}}
     message = (f"goodput {g.value:.3f} ({g.useful_s:.1f}s useful of {g.allocated_s:.1f}s "

@@ -22,6 +22,14 @@ time allocated.
   allocated and produced nothing. A learner the harness never started (no
   process events) counts from its first to its last own event.
 
+**Where the rest went** (`Goodput.losses`, shares of allocated time):
+`down`, learner time inside a scripted kill, pause or partition window (the
+schedule's own cost: `bound` = 1 − down / allocated is the best goodput that
+schedule allows); `startup`, from a restarted process's start to its join;
+`catchup`, from each join to its learner caught up; `unmerged`, work pushed or
+dropped that no commit merged; `other`, the rest: steps not yet pushed when a
+learner was killed or the run ended, evaluations, waits.
+
 **Uptime** = share of wall time in which the global model advanced. The
 measured span runs from the first commit of a version >= 1 (before it the
 run is warming up: learners load data and do their first H/P steps) to the
@@ -75,6 +83,27 @@ class Goodput:
     unmerged_s: float = 0.0
     # Merged contributions without a push_invoke to take work_s from (counted as 0).
     missing_work: list[ContributionId] = field(default_factory=list)
+    # Allocated learner seconds spent down (scripted fault windows), starting up
+    # after a restart and catching up after a join (see the module doc).
+    down_s: float = 0.0
+    startup_s: float = 0.0
+    catchup_s: float = 0.0
+
+    @property
+    def bound(self) -> float:
+        """The best goodput the schedule allows: 1 − scripted down time / allocated."""
+        return 1.0 - self.down_s / self.allocated_s if self.allocated_s > 0 else 0.0
+
+    @property
+    def losses(self) -> dict[str, float]:
+        """Shares of allocated time that did not reach the model, by cause; with
+        `value` they sum to 1."""
+        if self.allocated_s <= 0:
+            return {}
+        named = {"down": self.down_s, "startup": self.startup_s, "catchup": self.catchup_s,
+                 "unmerged": self.unmerged_s}
+        other = self.allocated_s - self.useful_s - sum(named.values())
+        return {k: v / self.allocated_s for k, v in {**named, "other": max(other, 0.0)}.items()}
 
 
 @dataclass(frozen=True)
@@ -191,13 +220,55 @@ def goodput(events: Sequence[Event]) -> Goodput:
                  if cid not in merged and e.has("work_s"))
     unmerged += sum(e.number("work_s") for e in events
                   if e.kind == "dropped" and not e.has("seq") and e.has("work_s"))
+    allocated_spans = allocations(events)
     per_learner = {lid: LearnerGoodput(end - start, useful.get(lid, 0.0), counts.get(lid, 0))
-                   for lid, (start, end) in allocations(events).items()}
+                   for lid, (start, end) in allocated_spans.items()}
     allocated = sum(g.allocated_s for g in per_learner.values())
     total_useful = sum(useful.values())
+    down, startup, catchup = _time_away(events, allocated_spans)
     return Goodput(value=total_useful / allocated if allocated > 0 else 0.0,
                    useful_s=total_useful, allocated_s=allocated, fragments=p,
-                   per_learner=per_learner, unmerged_s=unmerged / p, missing_work=missing)
+                   per_learner=per_learner, unmerged_s=unmerged / p, missing_work=missing,
+                   down_s=down, startup_s=startup, catchup_s=catchup)
+
+
+# Learner faults whose scripted windows take the learner away from training.
+DOWN_FAULTS = ("kill_learner", "pause_learner", "partition_learner")
+
+
+def _time_away(events: Sequence[Event],
+               spans: dict[str, tuple[float, float]]) -> tuple[float, float, float]:
+    """Allocated seconds spent (down, starting up, catching up), summed over learners."""
+    down = startup = catchup = 0.0
+    for learner, (lo, hi) in spans.items():
+
+        def clipped(start: float, end: float, lo: float = lo, hi: float = hi) -> float:
+            return max(0.0, min(end, hi) - max(start, lo))
+
+        opened: dict[str, float] = {}
+        started: float | None = None
+        joined: float | None = None
+        for e in events:
+            if (e.source == HARNESS and e.kind == "fault" and e.get("fault") in DOWN_FAULTS
+                    and e.get("target") == learner):
+                fault = str(e.get("fault"))
+                if e.get("action", "inject") == "inject":
+                    opened.setdefault(fault, e.t)
+                elif fault in opened:
+                    down += clipped(opened.pop(fault), e.t)
+            elif (e.source == HARNESS and e.kind == "process_start"
+                  and e.get("name") == learner and e.t > lo):
+                started = e.t  # a restart: the first start is before the allocation
+            elif e.source == learner and e.kind == "join":
+                if started is not None:
+                    startup += clipped(started, e.t)
+                    started = None
+                joined = e.t
+            elif e.source == learner and e.kind == "catch_up" and joined is not None:
+                catchup += clipped(joined, e.t)
+                joined = None
+        down += sum(clipped(t, hi) for t in opened.values())  # never healed
+    return down, startup, catchup
 
 
 # -- uptime ------------------------------------------------------------------------------

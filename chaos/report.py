@@ -157,7 +157,7 @@ def build_summary(events: Sequence[Event], results: Sequence[CheckResult],
                 "events": len(events), "skipped_lines": len(skipped)},
         "checks": [r.to_json() for r in results],
         "goodput": {"value": g.value, "useful_s": g.useful_s, "allocated_s": g.allocated_s,
-                    "unmerged_s": g.unmerged_s,
+                    "unmerged_s": g.unmerged_s, "bound": g.bound, "losses": g.losses,
                     "per_learner": {lid: {"goodput": lg.goodput, "useful_s": lg.useful_s,
                                           "allocated_s": lg.allocated_s, "merged": lg.merged}
                                     for lid, lg in g.per_learner.items()}},
@@ -376,6 +376,10 @@ def _markdown(summary: dict[str, Any], results: Sequence[CheckResult]) -> str:
         f"passed. Goodput **{g['value']:.3f}** ({g['useful_s']:.1f} s of learner work reached "
         f"the model, of {g['allocated_s']:.1f} s allocated); uptime **{u['value']:.3f}** "
         f"({u['advanced']} of {u['windows']} windows of {u['window_s']:g} s advanced the model).",
+        "",
+        f"The schedule allows goodput **{g['bound']:.3f}** at best (1 − scripted down time / "
+        f"allocated). Allocated time that did not reach the model: "
+        + ", ".join(f"{name} {share:.3f}" for name, share in g["losses"].items()) + ".",
         "",
         f"Seed {_cell(run['seed'])}, mode {_cell(run['mode'])}, {len(run['learners'])} learners "
         f"({', '.join(run['learners'])}), {run['fragments']} fragments, "

@@ -571,6 +571,33 @@ def test_allocation_starts_at_the_first_join_but_counts_restarts_in_full() -> No
     assert metrics.allocations(log.events())["l1"] == (3.0, 20.0)
 
 
+def test_goodput_names_its_bound_and_where_the_rest_went() -> None:
+    """l1 joins at 1, is killed 8..10 (scripted), restarts at 10 and joins at 11, caught
+    up at 12; l2 is paused 4..6 (clipped to its allocation, 0..10) and partitioned
+    from 9 to beyond its end. Allocated 19 + 10 = 29 s."""
+    log, _ = goodput_log()
+    log.learner(1.0, "l1", "join", run_id="r", versions={})
+    log.learner(1.5, "l1", "catch_up", versions={})
+    log.fault(8.0, "kill_learner", "l1")
+    log.fault(10.0, "kill_learner", "l1", action="heal")
+    log.harness(10.0, "process_start", role="learner", name="l1", pid=3)
+    log.learner(11.0, "l1", "join", run_id="r", versions={})
+    log.learner(12.0, "l1", "catch_up", versions={})
+    log.fault(4.0, "pause_learner", "l2")
+    log.fault(6.0, "pause_learner", "l2", action="heal")
+    log.fault(9.0, "partition_learner", "l2")
+    g = metrics.goodput(log.events())
+    assert g.allocated_s == pytest.approx(29.0)
+    assert g.down_s == pytest.approx(2.0 + 2.0 + 1.0)
+    assert g.startup_s == pytest.approx(1.0)
+    assert g.catchup_s == pytest.approx(0.5 + 1.0)
+    assert g.bound == pytest.approx(1 - 5.0 / 29.0)
+    losses = g.losses
+    assert losses["unmerged"] == pytest.approx(4.0 / 29.0)
+    assert losses["other"] == pytest.approx((29.0 - 5.0 - 5.0 - 1.0 - 1.5 - 4.0) / 29.0)
+    assert g.value + sum(losses.values()) == pytest.approx(1.0)
+
+
 def test_uptime_on_a_known_log() -> None:
     # Span: first commit (5) to last train (15) = 10 s, windows [5,7) [7,9) [9,11) [11,13)
     # [13,15]; commits at 5, 7, 13 advance windows 0, 1, 4: 6 s of 10.
