@@ -6,7 +6,9 @@ topology, which the process backend cannot cut. Every run leaves no container,
 network or volume behind, also when interrupted with SIGINT midway; without a
 docker engine a run fails before anything starts, in one line.
 
-Synthetic task, small steps: each run takes well under a minute of containers.
+Synthetic task, small steps: each run takes well under a minute of containers. A
+step takes at least `step_ms`, so that the learners outlive the fault schedule
+on an idle machine too.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ count = 2
 task = "synthetic"
 steps = {steps}
 sync_every = 20
-args = ["--step-ms", "5"]
+args = ["--step-ms", "{step_ms}"]
 {learners}
 {etcd}
 {faults}
@@ -106,7 +108,7 @@ def test_kill_pause_latency_and_bandwidth_in_containers(image: str, tmp_path: Pa
               + fault("bandwidth", "learner-1", 8, 3, "bandwidth_bytes_s = 50000"))
     name = "docker-faults-single"
     events, summary = run(tmp_path, EXPERIMENT.format(name=name, image=image, steps=1500,
-                                                      faults=faults, **SINGLE))
+                                                      step_ms=10, faults=faults, **SINGLE))
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
     for kind in ("kill_learner", "pause_learner", "latency", "bandwidth"):
         assert [f["action"] for f in faults_of(events, kind)] == ["inject", "heal"], kind
@@ -132,8 +134,8 @@ def test_partitions_of_a_learner_the_leader_and_an_etcd_member(image: str,
               + fault("partition", "m1", 18, 4)
               + fault("partition_learner", "learner-0", 24, 3))
     name = "docker-faults-ha"
-    events, summary = run(tmp_path, EXPERIMENT.format(name=name, image=image, steps=3000,
-                                                      faults=faults, **HA))
+    events, summary = run(tmp_path, EXPERIMENT.format(name=name, image=image, steps=3500,
+                                                      step_ms=10, faults=faults, **HA))
     checks = {check["name"]: check for check in summary["checks"]}
     assert all(check["passed"] for check in checks.values()), summary["checks"]
     assert {"no_split_brain", "exactly_once_replicas", "failover_within"} <= set(checks)
@@ -164,8 +166,8 @@ def test_a_run_interrupted_midway_leaves_no_container_network_or_volume(
         image: str, tmp_path: Path) -> None:
     name = "docker-interrupted"
     path = tmp_path / "experiment.toml"
-    path.write_text(EXPERIMENT.format(name=name, image=image, steps=100000, faults="",
-                                      **SINGLE))
+    path.write_text(EXPERIMENT.format(name=name, image=image, steps=100000, step_ms=5,
+                                      faults="", **SINGLE))
     harness = subprocess.Popen([sys.executable, "-m", "chaos", "run", str(path), "--out",
                                 str(tmp_path / "out"), "--quiet"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -186,7 +188,7 @@ def test_a_run_interrupted_midway_leaves_no_container_network_or_volume(
 def test_docker_backend_without_an_engine_fails_before_anything_starts(tmp_path: Path) -> None:
     path = tmp_path / "experiment.toml"
     path.write_text(EXPERIMENT.format(name="no-engine", image="ftsync:test", steps=100,
-                                      faults="", **SINGLE))
+                                      step_ms=5, faults="", **SINGLE))
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "chaos", "run", str(path), "--out", str(tmp_path / "out"),
