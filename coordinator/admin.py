@@ -19,9 +19,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.errors import Reason
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import tls
+from protos import metadata, tls
 
 # Exit statuses of `drain` besides 0 (drained) and 2 (bad flags or TLS files).
 DRAIN_FAILED = 1  # unreachable, or refused (credentials)
@@ -77,10 +78,9 @@ def _drain(args: argparse.Namespace, material: tls.TlsMaterial | None) -> int:
     try:
         response = request_drain(args.address, material, args.token or "", args.timeout)
     except grpc.RpcError as exc:
-        details = exc.details() or ""
-        if details.startswith("no_standby:"):
+        if metadata.reason(exc) == Reason.NO_STANDBY.value:
             print(f"ftsync-coordinator drain: {args.address} did not drain, nothing changed: "
-                  f"{details}", file=sys.stderr)
+                  f"{exc.details()}", file=sys.stderr)
             return DRAIN_NO_STANDBY
         print(f"ftsync-coordinator drain: {_unreachable(args.address, material, exc)}",
               file=sys.stderr)

@@ -28,7 +28,12 @@ from coordinator.engine import Engine
 from coordinator.errors import Reason, Rejected
 from coordinator.ha import Replica
 from coordinator.health import Health
-from coordinator.service import AdminService, ReplicationService, SynchronizerService
+from coordinator.service import (
+    AdminService,
+    OtherVersions,
+    ReplicationService,
+    SynchronizerService,
+)
 from coordinator.tasks import cancel_and_wait
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -166,6 +171,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         pb_grpc.add_ReplicationServicer_to_server(ReplicationService(engine, config.ha.token),
                                                   server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    server.add_generic_rpc_handlers((OtherVersions(engine),))
     await health.update()
     await server.start()
     print(describe(config), file=sys.stderr, flush=True)

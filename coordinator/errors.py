@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from protos.metadata import LEADER
+
 
 class Reason(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
@@ -38,15 +40,22 @@ class Reason(enum.Enum):
     DRAINING = "draining"
     # A leader asked to drain has no in-sync standby to hand the run to.
     NO_STANDBY = "no_standby"
+    # A call to another version of the contract (another protobuf package).
+    VERSION_MISMATCH = "version_mismatch"
 
 
 class Rejected(Exception):
-    """A request refused with a reason; raised before any state changes."""
+    """A request refused with a reason; raised before any state changes.
 
-    def __init__(self, reason: Reason, message: str) -> None:
+    `facts` travel beside the reason as trailing metadata (`protos.metadata`
+    names the keys): what a client acts on, so it never reads the message."""
+
+    def __init__(self, reason: Reason, message: str,
+                 facts: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.facts = facts
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.message}"
@@ -58,7 +67,7 @@ class NotLeader(Rejected):
     def __init__(self, leader: str, epoch: int) -> None:
         where = (f"leader is {leader} (epoch {epoch})" if leader
                  else "no leader is elected yet; retry shortly")
-        super().__init__(Reason.NOT_LEADER, where)
+        super().__init__(Reason.NOT_LEADER, where, ((LEADER, leader),) if leader else ())
         self.leader = leader
         self.epoch = epoch
 

@@ -28,6 +28,7 @@ from typing import Literal
 
 from coordinator.errors import Reason, Rejected
 from coordinator.membership import HeartbeatTable, Membership
+from protos.metadata import MERGED_SEQ
 
 MergeRule = Literal["mean", "rda"]
 # Why a round closed: every live learner had contributed, its grace window ran
@@ -413,17 +414,21 @@ class Policy:
         return frag
 
     def _check_fresh(self, frag: _Fragment, cid: ContributionId) -> None:
+        # The learner's merged seq tells the two cases apart: above it, the open round
+        # holds the contribution; at or below, a committed version merged it.
+        merged = frag.merged_seq.get(cid.learner_id, 0)
+        facts = ((MERGED_SEQ, str(merged)),)
         for c in frag.round.contributions:
             if c.id.learner_id == cid.learner_id and c.id.seq == cid.seq:
                 raise Rejected(Reason.REPLAYED,
                                f"contribution {cid.learner_id}/{cid.fragment}/{cid.seq} is "
-                               f"already in the open round for version {frag.round.version}")
-        merged = frag.merged_seq.get(cid.learner_id, 0)
+                               f"already in the open round for version {frag.round.version}",
+                               facts)
         if cid.seq <= merged:
             raise Rejected(Reason.REPLAYED,
                            f"contribution {cid.learner_id}/{cid.fragment}/{cid.seq} is at or below "
                            f"seq {merged}, already merged into fragment {cid.fragment} by "
-                           f"version {frag.version}")
+                           f"version {frag.version}", facts)
 
     def _is_due(self, frag: _Fragment, now: float) -> bool:
         rnd = frag.round

@@ -2,9 +2,12 @@
 
 It authenticates (per-learner bearer tokens in the `authorization`
 metadata), turns protobuf into engine calls and back, and maps every
-`Rejected` to a gRPC status here, in one table. A standby's refusal also
-names the leader in the `ftsync-leader` trailing metadata, so learners can
-follow it without parsing the message. No policy lives here.
+`Rejected` to a gRPC status here, in one table. Every refusal carries its
+reason code in the `ftsync-reason` trailing metadata, and the facts a client
+acts on beside it (a standby names the leader in `ftsync-leader`), so that
+learners never parse the message. A call to another version of the contract
+(another protobuf package) is answered by `OtherVersions`, naming both
+versions. No policy lives here.
 
 A push is traced as an `ftsync.admit` span whose parent is the learner's push
 span, named by the W3C `traceparent` in the call's metadata; a pull names the
@@ -14,6 +17,7 @@ round span that committed the version it serves (`ftsync-commit-trace`).
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -22,12 +26,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.engine import Engine, FragmentView
-from coordinator.errors import Cut, NotLeader, Reason, Rejected
+from coordinator.errors import Cut, Reason, Rejected
 from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import telemetry
+from protos import metadata, telemetry
 from protos.codec import codec_named, iter_chunk_messages
 from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
@@ -36,8 +40,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 # Longest a pull may wait for a newer version before answering not_modified.
 MAX_PULL_WAIT_S = 60.0
-# Trailing metadata key naming the leader in a not_leader refusal.
-LEADER_METADATA = "ftsync-leader"
+# The contract's version, as the protobuf package every service path starts with.
+PACKAGE = pb.DESCRIPTOR.package
 
 STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
@@ -63,6 +67,8 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     # Learners go elsewhere, as for not_leader.
     Reason.DRAINING: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.NO_STANDBY: grpc.StatusCode.FAILED_PRECONDITION,
+    # gRPC's own answer to a method it does not serve, with the versions named.
+    Reason.VERSION_MISMATCH: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 _FP32 = codec_named("fp32")
@@ -234,9 +240,9 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
 
 
 async def abort(context: Context, rejected: Rejected) -> NoReturn:
-    """End the RPC with the reason's status code (and the leader, for not_leader)."""
-    if isinstance(rejected, NotLeader) and rejected.leader:
-        context.set_trailing_metadata(((LEADER_METADATA, rejected.leader),))
+    """End the RPC with the reason's status code, its code and facts in trailing metadata."""
+    context.set_trailing_metadata(((metadata.REASON, rejected.reason.value),
+                                   *rejected.facts))
     await context.abort(STATUS_CODES.get(rejected.reason, grpc.StatusCode.INVALID_ARGUMENT),
                         f"{rejected.reason.value}: {rejected.message}")
     raise AssertionError("context.abort returned")
@@ -301,3 +307,36 @@ class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
 def _statuses(views: list[FragmentView]) -> list[pb.FragmentStatus]:
     return [pb.FragmentStatus(fragment=v.fragment, version=v.version, merged_seq=v.merged_seq,
                               commit_id=v.commit_id) for v in views]
+
+
+# The packages of every version of the contract, and the unversioned name before them.
+_CONTRACT = re.compile(r"ftsync(\.v\d+)?")
+
+
+class OtherVersions(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Answers a call to another version of the contract (`/ftsync.v2.Synchronizer/Join`,
+    or an unversioned `/ftsync.Synchronizer/Join`) with UNIMPLEMENTED and a message that
+    names both versions, where gRPC alone would say only that the method is unknown.
+    Every other call, this version's included, is left to the other handlers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails
+                ) -> grpc.RpcMethodHandler[bytes, bytes] | None:
+        method: str = handler_call_details.method
+        package = method.lstrip("/").partition("/")[0].rpartition(".")[0]
+        if package == PACKAGE or not _CONTRACT.fullmatch(package):
+            return None
+        rejected = Rejected(Reason.VERSION_MISMATCH,
+                            f"this coordinator speaks {PACKAGE}, the call {method} is "
+                            f"{package}: build the learner from the {PACKAGE} ftsync.proto "
+                            f"(docs/protocol.md, Versions)")
+
+        async def refuse(requests: AsyncIterator[bytes], context: Context) -> NoReturn:
+            self.engine.record_rejection(method, "", rejected)
+            await abort(context, rejected)
+
+        # Streaming both ways whatever the method: the answer is the same for any shape
+        # of call, and nothing of the request is read.
+        return grpc.stream_stream_rpc_method_handler(refuse)

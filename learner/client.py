@@ -30,9 +30,8 @@ import contextlib
 import math
 import os
 import random
-import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -42,7 +41,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, SpanKind
 
 from learner.metrics import LearnerMetrics
-from protos import discovery, telemetry
+from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import Codec, codec_named, iter_chunk_messages
@@ -62,8 +61,6 @@ _CHANNEL_OPTIONS = [
 # Codes worth retrying: the coordinator is down, restarting or overloaded.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Trailing metadata in which a standby names the leader.
-_LEADER_METADATA = "ftsync-leader"
 # Refusals that mean "not here, not now": a standby's, and a draining replica's.
 _GO_ELSEWHERE = ("not_leader", "draining")
 # Pause before asking the leader a replica named, or the next replica.
@@ -94,15 +91,28 @@ class _WrongReplica(Exception):
 class Refused(Exception):
     """The coordinator refused a request for a reason retrying won't fix."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None,
+                 facts: Mapping[str, str] | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self._reason = reason
+        # The trailing metadata the refusal came with (`protos.metadata` keys).
+        self.facts = dict(facts or {})
+
+    @classmethod
+    def of(cls, error: grpc.aio.AioRpcError) -> Refused:
+        """The coordinator's refusal, with its reason code and facts from the trailing
+        metadata."""
+        trailing: Any = error.trailing_metadata() or ()
+        facts = {key: value for key, value in trailing if isinstance(value, str)}
+        return cls(error.code(), error.details() or "", facts.get(metadata.REASON, ""), facts)
 
     @property
     def reason(self) -> str:
-        """The coordinator's reason label (e.g. `stale`), from `reason: message`."""
-        return self.details.split(":", 1)[0]
+        """The coordinator's reason code (e.g. `stale`): `ftsync-reason`, or for a
+        refusal made here from a message alone, its `reason:` prefix."""
+        return self.details.split(":", 1)[0] if self._reason is None else self._reason
 
 
 @dataclass(frozen=True)
@@ -404,7 +414,8 @@ class SynchronizerClient:
         except Refused as refused:
             if refused.reason in _GO_ELSEWHERE:  # none led while it retried: none refused it
                 self._unsent(c, refused)
-            elif refused.reason == "replayed" and "already merged" in refused.details:
+            elif refused.reason == "replayed" and c.seq <= int(
+                    refused.facts.get(metadata.MERGED_SEQ, "0")):
                 self._settle(c, merged=True)
             elif refused.reason == "replayed":
                 c.acknowledged = True  # the open round already holds it
@@ -584,7 +595,7 @@ class SynchronizerClient:
         self._tls_checked.add(address)
         problem = await asyncio.to_thread(diagnose, address, self.tls)
         if problem:
-            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"tls: {problem}") from exc
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"tls: {problem}", "tls") from exc
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
@@ -614,7 +625,8 @@ class SynchronizerClient:
                 # Its replica was left behind (closing its channel cancels the call).
                 if failing_for() >= self.retry.give_up_after_s:
                     raise Refused(grpc.StatusCode.UNAVAILABLE,
-                                  "the coordinator changed while the call waited") from None
+                                  "the coordinator changed while the call waited",
+                                  "") from None
             except _WrongReplica as wrong:
                 out_of_time = failing_for() >= self.retry.give_up_after_s
                 if out_of_time and not self.address:
@@ -623,22 +635,21 @@ class SynchronizerClient:
                                        "cannot be reached") from wrong
                 if out_of_time:
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"not_leader: {wrong}") from wrong
+                                  f"not_leader: {wrong}", "not_leader") from wrong
                 await self._find_leader(wrong.leader, failed=True)
                 await asyncio.sleep(random.uniform(*_REDIRECT_S))
             except grpc.aio.AioRpcError as exc:
-                details = exc.details() or ""
-                not_leader = (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                              and details.split(":", 1)[0] in _GO_ELSEWHERE)
+                refused = Refused.of(exc)
+                not_leader = refused.reason in _GO_ELSEWHERE
                 if not not_leader and exc.code() not in _TRANSIENT:
-                    raise Refused(exc.code(), details) from exc
+                    raise refused from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     await self._refuse_on_tls_mismatch(exc)
                 if failing_for() >= self.retry.give_up_after_s:
                     if not_leader:
-                        raise Refused(exc.code(), details) from exc
+                        raise refused from exc
                     raise
-                leader = _leader_named(exc) if not_leader else ""
+                leader = refused.facts.get(metadata.LEADER, "") if not_leader else ""
                 if leader:
                     if loop.time() - self._failed_at.get(leader, -math.inf) < \
                             _HEARTBEAT_DEADLINE_S:
@@ -666,16 +677,6 @@ class SynchronizerClient:
                         # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)
-
-
-def _leader_named(error: grpc.aio.AioRpcError) -> str:
-    """The leader a not_leader refusal names (metadata, else the message)."""
-    metadata: Any = error.trailing_metadata() or ()
-    for key, value in metadata:
-        if key == _LEADER_METADATA and isinstance(value, str):
-            return value
-    named = re.search(r"leader is (\S+:\d+)", error.details() or "")
-    return named.group(1) if named else ""
 
 
 async def _leader_from_etcd(endpoints: list[str], run: str, tls: TlsMaterial | None,

@@ -34,6 +34,8 @@ from coordinator.replication import replica_messages
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import MAX_CHUNK_BYTES, codec_named, decode_chunk_into, iter_chunks
+from protos.metadata import REASON
+from protos.metadata import reason as reason_code
 from tests.daemon import Daemon, wait_until
 
 # -- helpers -------------------------------------------------------------------
@@ -207,8 +209,9 @@ def rejections(daemon: Daemon) -> Counter[str]:
 def expect_rejected(daemon: Daemon, action: Callable[[], object], code: grpc.StatusCode,
                     reason: Reason, *needles: str, learner_id: str | None = "a",
                     metadata: Metadata = (), case: str = "") -> str:
-    """Run `action`; it must fail with `code`, a message holding every needle, one more
-    rejection counted under `reason` (and nothing else), and no change of state.
+    """Run `action`; it must fail with `code`, the reason code in the `ftsync-reason`
+    trailing metadata, a message holding every needle, one more rejection counted
+    under `reason` (and nothing else), and no change of state.
 
     `case` labels the failure when one test runs several variants of a bad input."""
     where = f"[{case}] " if case else ""
@@ -219,6 +222,9 @@ def expect_rejected(daemon: Daemon, action: Callable[[], object], code: grpc.Sta
     error: Any = info.value
     details = error.details() or ""
     assert error.code() == code, f"{where}got {error.code()}: {details!r}"
+    assert reason_code(error) == reason.value, (
+        f"{where}trailing metadata {error.trailing_metadata()!r} lacks "
+        f"{REASON}: {reason.value}")
     for needle in needles:
         assert needle in details, f"{where}{needle!r} not in the message {details!r}"
     counts[reason.value] += 1

@@ -59,6 +59,7 @@ class LeaderlessStandby(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
 
     async def PushFragment(self, request_iterator: Any,
                            context: grpc.aio.ServicerContext[Any, Any]) -> pb.PushResponse:
+        context.set_trailing_metadata((("ftsync-reason", "not_leader"),))
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "not_leader: this replica is a standby and knows no leader")
         raise AssertionError("abort returned")

@@ -1,5 +1,6 @@
 """Where learners and replicas find each other: etcd URLs, the leader record,
-the etcd channel targets, and how a learner reads a standby's redirect."""
+the etcd channel targets, and how a learner reads a standby's redirect (from the
+refusal's trailing metadata, never its message)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import grpc
 import pytest
 
 from coordinator.etcd import channel_targets
-from learner.client import SynchronizerClient, _leader_named, _WrongReplica
+from learner.client import Refused, SynchronizerClient, _WrongReplica
 from protos.discovery import LeaderRecord, leader_key, parse_etcd_url
+from protos.metadata import LEADER
 
 
 def test_etcd_urls() -> None:
@@ -44,13 +46,24 @@ def test_a_learner_ignores_answers_from_an_older_epoch() -> None:
 
 
 @pytest.mark.parametrize(("details", "metadata", "leader"), [
-    ("not_leader: leader is 10.0.0.2:50051 (epoch 7)", (), "10.0.0.2:50051"),
-    ("not_leader: no leader is elected yet; retry shortly", (), ""),
+    ("not_leader: leader is 10.0.0.2:50051 (epoch 7)",
+     (("ftsync-reason", "not_leader"), ("ftsync-leader", "10.0.0.2:50051")), "10.0.0.2:50051"),
     ("not_leader: no leader is elected yet; retry shortly",
-     (("ftsync-leader", "h:1"),), "h:1"),
+     (("ftsync-reason", "not_leader"),), ""),
+    # The message's words are for people: a leader named only there is not followed.
+    ("not_leader: leader is 10.0.0.2:50051 (epoch 7)", (("ftsync-reason", "not_leader"),), ""),
 ])
-def test_a_refusal_names_the_leader_only_by_its_address(
+def test_a_refusal_names_the_leader_in_its_trailing_metadata(
         details: str, metadata: tuple[tuple[str, str], ...], leader: str) -> None:
     error = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
                                  grpc.aio.Metadata(*metadata), details)
-    assert _leader_named(error) == leader
+    refused = Refused.of(error)
+    assert refused.reason == "not_leader"
+    assert refused.facts.get(LEADER, "") == leader
+    assert refused.details == details
+
+
+def test_a_refusal_without_a_reason_code_has_none() -> None:
+    error = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(), "not_leader: leader is h:1 (epoch 2)")
+    assert Refused.of(error).reason == ""

@@ -36,6 +36,7 @@ from coordinator.policy import (
     PolicyConfig,
     RoundClose,
 )
+from protos.metadata import MERGED_SEQ
 
 # -- helpers -----------------------------------------------------------------
 
@@ -144,6 +145,20 @@ def test_second_contribution_from_same_learner_does_not_make_quorum() -> None:
     closed = policy.close(0, 3.0)
     assert len(closed.manifest) == 3
     assert closed.why == "no_grace"  # c is live and has not contributed
+
+
+def test_a_replayed_refusal_carries_the_learners_merged_seq() -> None:
+    """A client tells "held by the open round" (seq above it) from "merged" (at or
+    below it) by the `ftsync-merged-seq` fact, not by the message's words."""
+    policy = three_learners(PolicyConfig(min_quorum=1, grace_max_s=0.0))
+    contribute(policy, 0.0, "a", seq=4)
+    policy.close(0, 0.0)
+    contribute(policy, 0.0, "a", seq=6, base=1)
+    for seq in (6, 3):
+        with pytest.raises(Rejected) as info:
+            policy.admit(make_offer("a", seq=seq, base=1), 0.0)
+        assert info.value.reason is Reason.REPLAYED
+        assert info.value.facts == ((MERGED_SEQ, "4"),)
 
 
 def _policy_with_known_step_times(config: PolicyConfig) -> Policy:
