@@ -43,6 +43,11 @@ MAX_PULL_WAIT_S = 60.0
 # The contract's version, as the protobuf package every service path starts with.
 PACKAGE = pb.DESCRIPTOR.package
 
+# One rule for the codes: INVALID_ARGUMENT when the request is wrong whatever the
+# run's state (sending it again never helps), FAILED_PRECONDITION when it is refused
+# because of the state it met (another version, the run's layout, this replica's
+# role), NOT_FOUND and ALREADY_EXISTS for a learner or contribution id the
+# coordinator lacks or already holds.
 STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_LEARNER: grpc.StatusCode.NOT_FOUND,
@@ -50,7 +55,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.ALREADY_INITIALIZED: grpc.StatusCode.ALREADY_EXISTS,
-    Reason.FUTURE_VERSION: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.FUTURE_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.REPLAYED: grpc.StatusCode.ALREADY_EXISTS,
     Reason.BAD_COUNTS: grpc.StatusCode.INVALID_ARGUMENT,

@@ -631,14 +631,18 @@ def test_a_seq_that_leaves_no_next_one_is_refused(start_daemon: StartDaemon) -> 
     contribute_and_commit(daemon, seq=last - 1)
     assert join(daemon).next_seq == last
 
-def test_version_from_the_future_is_invalid_argument(start_daemon: StartDaemon) -> None:
+def test_version_from_the_future_is_failed_precondition(start_daemon: StartDaemon) -> None:
+    """Refused because of the state it met (the fragment's current version), as stale
+    is: the same push may be right once the version exists."""
     daemon = started(start_daemon)
-    expect_rejected(daemon, partial(push, daemon, base_version=5), INVALID_ARGUMENT,
-                    Reason.FUTURE_VERSION, "base version 5", "fragment 0", "current version 0")
+    expect_rejected(daemon, partial(push, daemon, base_version=5),
+                    grpc.StatusCode.FAILED_PRECONDITION, Reason.FUTURE_VERSION,
+                    "base version 5", "fragment 0", "current version 0")
     # A pull for something newer than a version it cannot have yet is refused at once,
     # not held for its wait.
     expect_rejected(daemon, partial(pull, daemon, have_version=5, wait_ms=30_000),
-                    INVALID_ARGUMENT, Reason.FUTURE_VERSION, "have_version 5",
+                    grpc.StatusCode.FAILED_PRECONDITION, Reason.FUTURE_VERSION,
+                    "have_version 5",
                     "current version 0", case="pull")
     contribute_and_commit(daemon, seq=2)
 
