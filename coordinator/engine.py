@@ -530,9 +530,11 @@ class Engine:
         stats.contributions += 1
         self.metrics.contributions.add(1, {"fragment": str(p)})
         self.metrics.staleness.record(admission.staleness)
+        replaces = {} if admission.replaces is None else {"replaces": admission.replaces.seq}
         self.events.emit("push_ack", learner=header.learner_id, fragment=p, seq=header.seq,
                          base_version=header.base_version, weight=admission.weight,
-                         staleness=admission.staleness, target=admission.target_version)
+                         staleness=admission.staleness, target=admission.target_version,
+                         **replaces)
         self._wake.set()
         return PushResult(header.seq, admission.target_version, admission.weight,
                           admission.staleness)
@@ -690,7 +692,9 @@ class Engine:
             close = policy.close(fragment, started)
             manifest = [{"learner": c.id.learner_id, "seq": c.id.seq,
                          "base_version": c.id.base_version, "weight": c.weight,
-                         "staleness": c.staleness} for c in close.manifest]
+                         "staleness": c.staleness,
+                         **({} if c.replaced_by is None else {"replaced_by": c.replaced_by})}
+                        for c in close.manifest]
             epoch = self.epoch
             try:
                 await store.commit(close, manifest, epoch, self._guard())

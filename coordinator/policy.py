@@ -16,14 +16,17 @@ every live learner has contributed or its grace window has ended:
     grace = clamp(γ · (τ · ξ_step − ξ_quorum − ξ_sync), 0, grace_max)
 
 and contributions are weighted `c_tokens · (c_tokens / c_steps) · (1 + s)^−a`
-with `s` the staleness in versions.
+with `s` the staleness in versions. A round holds one contribution per
+learner and base version: a second push of a learner against the base of one
+it has in the open round replaces it (each push carries the progress since
+the learner's previous one, so the newer stands for both, counted once).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from coordinator.errors import Reason, Rejected
@@ -98,19 +101,27 @@ class Offer:
 
 @dataclass(frozen=True)
 class Admission:
-    """An offer the policy would accept now, and with what weight."""
+    """An offer the policy would accept now, and with what weight; `replaces` is
+    the learner's contribution against the same base that it would replace in the
+    open round (it then takes over that one's weight)."""
 
     offer: Offer
     weight: float
     staleness: int
     target_version: int
+    replaces: ContributionId | None = None
 
 
 @dataclass(frozen=True)
 class MergedContribution:
+    """One contribution of a closed round. `replaced_by` is the seq of the push of
+    the same learner and base that replaced it: its work is merged (the newer push
+    carries the progress since it) and its weight, now 0, counts there."""
+
     id: ContributionId
     weight: float
     staleness: int
+    replaced_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,15 @@ class _Round:
 
     def learners(self) -> set[str]:
         return {c.id.learner_id for c in self.contributions}
+
+    def standing(self, learner_id: str, base_version: int) -> int | None:
+        """Index of the learner's contribution against `base_version` that no
+        later push has replaced, if the round holds one."""
+        for i, c in enumerate(self.contributions):
+            if (c.id.learner_id == learner_id and c.id.base_version == base_version
+                    and c.replaced_by is None):
+                return i
+        return None
 
 
 @dataclass
@@ -316,17 +336,29 @@ class Policy:
             raise Rejected(Reason.DRAINING,
                            f"this coordinator is draining: it opens no new round (fragment "
                            f"{cid.fragment}); push to the next leader, or again once it is back")
+        standing = frag.round.standing(cid.learner_id, cid.base_version)
+        if standing is not None:
+            # The newer push carries the progress since the older one, which the round
+            # already holds at its weight: the two count once, at that weight.
+            replaced = frag.round.contributions[standing]
+            return Admission(offer=offer, weight=replaced.weight, staleness=staleness,
+                             target_version=frag.round.version, replaces=replaced.id)
         weight = self.weight(offer.c_tokens, offer.c_steps, staleness)
         return Admission(offer=offer, weight=weight, staleness=staleness,
                          target_version=frag.round.version)
 
     def accept(self, admission: Admission, now: float) -> None:
-        """Add an admitted contribution to its fragment's open round."""
+        """Add an admitted contribution to its fragment's open round (replacing the
+        learner's contribution there against the same base, if any)."""
         offer = admission.offer
         frag = self._fragment(offer.id.fragment)
         if admission.target_version != frag.round.version:
             raise ValueError("admission is for a round that has closed; admit again")
         self._check_fresh(frag, offer.id)
+        standing = frag.round.standing(offer.id.learner_id, offer.id.base_version)
+        replaces = None if standing is None else frag.round.contributions[standing].id
+        if admission.replaces != replaces:
+            raise ValueError("the round changed since the admission; admit again")
         learner = self._member(offer.id.learner_id)
         learner.last_seen = now
         self.membership.renew(offer.id.learner_id, now)
@@ -334,6 +366,9 @@ class Policy:
         self._seen_seq[offer.id.learner_id] = max(
             self._seen_seq.get(offer.id.learner_id, 0), offer.id.seq)
         rnd = frag.round
+        if standing is not None:
+            rnd.contributions[standing] = replace(rnd.contributions[standing], weight=0.0,
+                                                  replaced_by=offer.id.seq)
         rnd.contributions.append(MergedContribution(
             id=offer.id, weight=admission.weight, staleness=admission.staleness))
         if rnd.opened_at is None:

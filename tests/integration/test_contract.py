@@ -1,8 +1,9 @@
 """The contract of docs/protocol.md against a real daemon, with bare gRPC stubs.
 
 What a learner written from the guide relies on and no other test pins down: a call
-to another version of the contract is refused naming both versions; a replayed push
-says the learner's merged seq.
+to another version of the contract is refused naming both versions; a second push
+against the same base replaces the first, numerically (merged values checked against
+the formula); a replayed push says the learner's merged seq.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from coordinator.errors import Reason
 from protos import ftsync_pb2 as pb
 from protos import metadata
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_until
 from tests.integration.test_bad_input import (
     FAST,
+    NUMEL,
     init,
     join,
+    pull,
     push,
     rejections,
+    version,
 )
 
 StartDaemon = Callable[..., Daemon]
+# The outer step is Θ ← Θ − Δ with these, so a version shows the merge itself.
+PLAIN_OUTER = ("--set", "outer.lr=1.0", "--set", "outer.momentum=0.0",
+               "--set", "outer.nesterov=false")
 
 
 @pytest.mark.parametrize("method", ["/ftsync.v0.Synchronizer/Join",
@@ -52,6 +60,33 @@ def test_a_call_to_another_version_names_both(start_daemon: StartDaemon,
         channel.unary_unary(unknown)(b"", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert metadata.reason(info.value) == ""
+
+
+def test_a_second_push_against_the_same_base_replaces_the_first(
+        start_daemon: StartDaemon) -> None:
+    """Learner a pushes twice against version 0 while the round waits for b: the
+    second carries its progress since the first, and the two count once, at the
+    first's weight. Merged beside it at full weight (the old rule), a's work would
+    weigh twice b's."""
+    daemon = start_daemon("--min-quorum", "2", *PLAIN_OUTER, *FAST)
+    join(daemon)
+    join(daemon, "b")
+    init(daemon)
+    _, start = pull(daemon)
+    rng = np.random.default_rng(3)
+    first, second, other = (rng.standard_normal(NUMEL).astype(np.float32) * 0.01
+                            for _ in range(3))
+    a1 = push(daemon, first, seq=2, c_tokens=100, c_steps=10)
+    a2 = push(daemon, second, seq=3, c_tokens=400, c_steps=10)
+    assert a2.weight == a1.weight == pytest.approx(1000.0)
+    assert a2.target_version == a1.target_version == 1
+    b1 = push(daemon, other, learner_id="b", seq=1, c_tokens=100, c_steps=5)
+    assert b1.weight == pytest.approx(2000.0)
+    wait_until(lambda: version(daemon) == 1, timeout=10, message="version 1")
+    head, merged = pull(daemon)
+    delta = (a1.weight * (first + second) + b1.weight * other) / (a1.weight + b1.weight)
+    np.testing.assert_allclose(merged, start - delta, rtol=1e-5, atol=1e-7)
+    assert head.merged_seq == 3  # the replaced seq 2 is merged too: below the watermark
 
 
 def test_a_replayed_push_says_the_merged_seq(start_daemon: StartDaemon) -> None:

@@ -11,7 +11,7 @@ a small reference model after every step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -145,6 +145,43 @@ def test_second_contribution_from_same_learner_does_not_make_quorum() -> None:
     closed = policy.close(0, 3.0)
     assert len(closed.manifest) == 3
     assert closed.why == "no_grace"  # c is live and has not contributed
+
+
+def test_a_second_push_against_the_same_base_replaces_the_first() -> None:
+    """A learner's pushes into one open round against one base count once: the newer
+    replaces the older, at the older's weight (the daemon folded the older's values at
+    that weight, and the newer carries the progress since it, so together they are the
+    learner's outer gradient since the base). Merged beside it at full weight, a lone
+    learner's two pushes would each count half."""
+    policy = three_learners(PolicyConfig(min_quorum=2, grace_max_s=0.0), versions={0: 3})
+    first = contribute(policy, 1.0, "a", seq=1, base=3, tokens=100, steps=10)
+    assert first.replaces is None and first.weight == pytest.approx(1000.0)
+    second = contribute(policy, 2.0, "a", seq=2, base=3, tokens=400, steps=10)
+    assert second.replaces == first.offer.id
+    assert second.weight == first.weight  # not 400·40: the older's values are in at 1000
+    assert second.target_version == first.target_version == 4
+    # Against another base: the learner applied a version in between, so the push
+    # holds none of the older one's progress and is merged beside it.
+    beside = contribute(policy, 2.5, "a", seq=3, base=2, tokens=100, steps=10)
+    assert beside.replaces is None and beside.staleness == 1
+    contribute(policy, 3.0, "b", seq=1, base=3)
+    closed = policy.close(0, 3.0)
+    a1, a2, a3, b1 = closed.manifest
+    assert (a1.id.seq, a1.weight, a1.replaced_by) == (1, 0.0, 2)
+    assert (a2.id.seq, a2.weight, a2.replaced_by) == (2, pytest.approx(1000.0), None)
+    assert a3.replaced_by is None and a3.weight == pytest.approx(1000.0 * 2 ** -0.5)
+    assert closed.total_weight == pytest.approx(a2.weight + a3.weight + b1.weight)
+    # Every id is in the manifest once, and the watermark covers the replaced one.
+    assert policy.merged_seq(0, "a") == 3
+
+
+def test_a_replacement_admitted_before_the_round_changed_is_admitted_again() -> None:
+    policy = three_learners(PolicyConfig(min_quorum=3))
+    stale = policy.admit(make_offer("a", seq=2), 0.0)  # nothing to replace yet
+    contribute(policy, 0.0, "a", seq=1)
+    with pytest.raises(ValueError, match="admit again"):
+        policy.accept(stale, 0.0)
+    assert policy.admit(make_offer("a", seq=2), 0.0).replaces == make_offer("a", seq=1).id
 
 
 def test_a_replayed_refusal_carries_the_learners_merged_seq() -> None:
@@ -807,6 +844,13 @@ class PolicyMachine(RuleBasedStateMachine):
     def has_quorum(self, p: int) -> bool:
         return len({c.id.learner_id for c in self.rounds[p]}) >= self.config.min_quorum
 
+    def standing(self, cid: ContributionId) -> int | None:
+        """The model's entry the learner has in the open round against `cid`'s base."""
+        return next((i for i, c in enumerate(self.rounds[cid.fragment])
+                     if c.id.learner_id == cid.learner_id
+                     and c.id.base_version == cid.base_version and c.replaced_by is None),
+                    None)
+
     def expected_reasons(self, offer: Offer) -> set[Reason]:
         cid = offer.id
         reasons = set()
@@ -839,8 +883,20 @@ class PolicyMachine(RuleBasedStateMachine):
         # Versions go up by exactly one per close.
         assert closed.version == self.versions[p] + 1
         self.versions[p] = closed.version
-        # The manifest is exactly what was accepted, in order.
+        # The manifest is exactly what was accepted, in order, with the replacements.
         assert closed.manifest == tuple(self.rounds[p])
+        # One standing contribution per learner and base; a replaced one weighs nothing
+        # and names the later push of the same learner and base that took its place.
+        standing = [(c.id.learner_id, c.id.base_version) for c in closed.manifest
+                    if c.replaced_by is None]
+        assert len(standing) == len(set(standing))
+        for i, c in enumerate(closed.manifest):
+            if c.replaced_by is not None:
+                assert c.weight == 0.0
+                assert any(later.id.seq == c.replaced_by
+                           and later.id.learner_id == c.id.learner_id
+                           and later.id.base_version == c.id.base_version
+                           for later in closed.manifest[i + 1:])
         learners = {c.id.learner_id for c in closed.manifest}
         assert len(learners) >= self.config.min_quorum, "closed below quorum"
         # Closed promptly: never after the deadline fixed at quorum.
@@ -924,9 +980,19 @@ class PolicyMachine(RuleBasedStateMachine):
         staleness = self.versions[cid.fragment] - cid.base_version
         assert admission.staleness == staleness
         assert admission.target_version == self.versions[cid.fragment] + 1
-        assert admission.weight == pytest.approx(
-            offer.c_tokens * (offer.c_tokens / offer.c_steps)
-            * (1 + staleness) ** -self.config.staleness_exponent, rel=1e-12)
+        standing = self.standing(cid)
+        if standing is None:
+            assert admission.replaces is None
+            assert admission.weight == pytest.approx(
+                offer.c_tokens * (offer.c_tokens / offer.c_steps)
+                * (1 + staleness) ** -self.config.staleness_exponent, rel=1e-12)
+        else:
+            # It replaces the learner's contribution against that base, at its weight.
+            replaced = self.rounds[cid.fragment][standing]
+            assert admission.replaces == replaced.id
+            assert admission.weight == replaced.weight
+            self.rounds[cid.fragment][standing] = replace(replaced, weight=0.0,
+                                                          replaced_by=cid.seq)
         had_quorum = self.has_quorum(cid.fragment)
         self.policy.accept(admission, self.now)
         member = self.members[cid.learner_id]
