@@ -207,6 +207,22 @@ class StateDir:
                            "numels": list(run.numels)}).encode()
         self._atomic_write(self.root / "run.json", [body])
 
+    # -- seqs ----------------------------------------------------------------
+
+    def load_seq_reservations(self) -> dict[str, int]:
+        """Per learner, the seq up to which contributions may have been
+        acknowledged (`Policy.reservation`); empty before the first."""
+        path = self.root / "seqs.json"
+        if not path.exists():
+            return {}
+        try:
+            return {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StateError(f"{path} is not a valid seq reservation record: {exc}") from exc
+
+    def save_seq_reservations(self, reservations: dict[str, int]) -> None:
+        self._atomic_write(self.root / "seqs.json", [json.dumps(reservations).encode()])
+
     # -- fragments -----------------------------------------------------------
 
     def fragment_path(self, fragment: int) -> Path:

@@ -149,6 +149,8 @@ class Engine:
         # Set by `drain`: this replica takes no new rounds and never leads again, unless
         # the drain is abandoned (`undrain`).
         self.draining = False
+        # Held while a seq reservation is written (`_reserve_seq`).
+        self._reserving = asyncio.Lock()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -524,6 +526,7 @@ class Engine:
                                      seq=header.seq)
                     return PushResult(header.seq, 0, 0.0, 0)
                 admission = policy.admit(offer, self.clock())
+                await self._reserve_seq(policy, header.learner_id, header.seq)
                 lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm,
                                                 prescale)
                 policy.accept(admission, self.clock())
@@ -611,6 +614,18 @@ class Engine:
                       f"the push of fragment {header.fragment} (seq {header.seq}) sent "
                       f"nothing for {idle_s:g} s after {received} of {header.numel} "
                       f"elements (limits.push_idle_s); push it again") from None
+
+    async def _reserve_seq(self, policy: Policy, learner_id: str, seq: int) -> None:
+        """Make the seq reservation covering `seq` durable before it is acknowledged,
+        so that a restart's next_seq is above it (`Policy.reservation`); one write at
+        a time, so none overwrites a newer one with an older map."""
+        if policy.reservation(learner_id, seq) is None:
+            return
+        async with self._reserving:
+            reservation = policy.reservation(learner_id, seq)
+            if reservation is not None:
+                await asyncio.to_thread(self.state.save_seq_reservations, reservation)
+                policy.reserved(reservation)
 
     def _check_uninitialized(self, fragment: int) -> None:
         published = self._store().published(fragment)
@@ -764,7 +779,8 @@ class Engine:
         versions = {p: records[p].version if p in records else -1
                     for p in range(len(run.numels))}
         watermarks = {p: r.watermarks for p, r in records.items()}
-        self.policy = Policy(self.config.policy, versions, watermarks, self.membership)
+        self.policy = Policy(self.config.policy, versions, watermarks, self.membership,
+                             self.state.load_seq_reservations())
         if self.draining:
             self.policy.drain()
         return {p: v for p, v in versions.items() if v >= 0}

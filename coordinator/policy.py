@@ -48,6 +48,10 @@ MAX_TOKEN_WEIGHT = float(2**64)
 # The largest seq taken: `JoinResponse.next_seq` (a uint64) is one above every seq a
 # learner used, so 2^64-1 would leave it none to hand out.
 MAX_SEQ = 2**64 - 2
+# Seqs are reserved durably this many ahead (`Policy.reservation`), so that a restarted
+# coordinator hands out next_seq above every seq acknowledged before, open rounds
+# included, at one durable write per learner every SEQ_BLOCK contributions.
+SEQ_BLOCK = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -189,10 +193,12 @@ class Policy:
 
     def __init__(self, config: PolicyConfig, versions: Mapping[int, int],
                  merged_seq: Mapping[int, Mapping[str, int]] | None = None,
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None,
+                 reservations: Mapping[str, int] | None = None) -> None:
         """`versions` maps each fragment to its committed version (-1: none yet);
         `merged_seq` restores the per-learner watermarks after a restart;
-        `membership` decides liveness (default: the embedded heartbeat table)."""
+        `membership` decides liveness (default: the embedded heartbeat table);
+        `reservations` restores the durable seq reservations (`reservation`)."""
         self.config = config
         self.membership = membership or HeartbeatTable(config.heartbeat_timeout_s)
         self._fragments = {
@@ -204,7 +210,10 @@ class Policy:
         # Taking no new rounds (`drain`).
         self.draining = False
         # Highest seq ever seen per learner, so a restarted learner never reuses one.
-        self._seen_seq: dict[str, int] = {}
+        # Restored: the watermarks and the reservations, which cover every seq the
+        # previous life acknowledged, also in rounds it never closed.
+        self._reserved = dict(reservations or {})
+        self._seen_seq: dict[str, int] = dict(self._reserved)
         for watermarks in (merged_seq or {}).values():
             for learner_id, seq in watermarks.items():
                 self._seen_seq[learner_id] = max(self._seen_seq.get(learner_id, 0), seq)
@@ -212,7 +221,8 @@ class Policy:
     # -- membership -------------------------------------------------------
 
     def join(self, learner_id: str, now: float, overlap_steps: int | None = None) -> int:
-        """Register (or re-register) a learner; returns the first seq it may use.
+        """Register (or re-register) a learner; returns the first seq it may use:
+        above every seq of it this policy has seen or restored.
 
         A learner joining again (restarted) is not live until it heartbeats or
         contributes: it catches up first and meanwhile holds no round open, and
@@ -377,6 +387,19 @@ class Policy:
             rnd.quorum_at = now
             rnd.grace_s = self._grace(frag, quorum_wait=now - rnd.opened_at, now=now)
             rnd.deadline = now + rnd.grace_s
+
+    def reservation(self, learner_id: str, seq: int) -> dict[str, int] | None:
+        """The seq reservations to make durable before `seq` of `learner_id` is
+        acknowledged, or None when those held cover it. Restored after a restart
+        (`reservations`), they keep `join` above every seq acknowledged before;
+        each covers SEQ_BLOCK seqs ahead, so few pushes wait for a write."""
+        if seq <= self._reserved.get(learner_id, 0):
+            return None
+        return {**self._reserved, learner_id: min(seq + SEQ_BLOCK, MAX_SEQ)}
+
+    def reserved(self, reservations: Mapping[str, int]) -> None:
+        """Record that `reservations` (from `reservation`) are durable."""
+        self._reserved = dict(reservations)
 
     def weight(self, c_tokens: int, c_steps: int, staleness: int) -> float:
         decay: float = (1.0 + staleness) ** (-self.config.staleness_exponent)

@@ -1,9 +1,10 @@
 """The contract of docs/protocol.md against a real daemon, with bare gRPC stubs.
 
 What a learner written from the guide relies on and no other test pins down: a call
-to another version of the contract is refused naming both versions; a second push
-against the same base replaces the first, numerically (merged values checked against
-the formula); a replayed push says the learner's merged seq.
+to another version of the contract is refused naming both versions; `next_seq` after
+a coordinator crash is above every seq it acknowledged, in rounds the crash lost too;
+a second push against the same base replaces the first, numerically (merged values
+checked against the formula); a replayed push says the learner's merged seq.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def test_a_call_to_another_version_names_both(start_daemon: StartDaemon,
         channel.unary_unary(unknown)(b"", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert metadata.reason(info.value) == ""
+
+
+def test_next_seq_after_a_crash_is_above_a_seq_acknowledged_in_a_lost_round(
+        start_daemon: StartDaemon, tmp_path: Any) -> None:
+    state_dir = tmp_path / "state"
+    daemon = start_daemon("--min-quorum", "2", *FAST, state_dir=state_dir)
+    assert join(daemon).next_seq == 1
+    join(daemon, "b")
+    init(daemon)
+    ack = push(daemon, seq=7)
+    assert ack.target_version == 1  # held in the open round: b has not pushed
+    daemon.kill()
+    restarted = start_daemon("--min-quorum", "2", *FAST, state_dir=state_dir)
+    # The round holding seq 7 died with the daemon and no watermark names it.
+    assert version(restarted) == 0
+    assert join(restarted).next_seq > 7
 
 
 def test_a_second_push_against_the_same_base_replaces_the_first(

@@ -28,6 +28,8 @@ from hypothesis.stateful import (
 
 from coordinator.errors import Reason, Rejected
 from coordinator.policy import (
+    MAX_SEQ,
+    SEQ_BLOCK,
     Admission,
     ContributionId,
     MergedContribution,
@@ -551,6 +553,29 @@ def test_join_returns_next_seq_above_everything_seen() -> None:
     assert policy.join("a", 2.0) == 10
 
 
+def test_join_after_restart_is_above_every_acknowledged_seq() -> None:
+    """A contribution acknowledged in a round that a crash then lost is named by no
+    watermark; the durable reservation made before its acknowledgement keeps the
+    restarted policy's next seq above it."""
+    policy = three_learners(PolicyConfig(min_quorum=3))
+    durable: dict[str, int] = {}
+    for seq in (5, 6, SEQ_BLOCK + 9):
+        reservation = policy.reservation("a", seq)
+        if seq == 6:
+            assert reservation is None  # covered by the block reserved for seq 5
+        else:
+            assert reservation is not None and reservation["a"] == seq + SEQ_BLOCK
+            durable = reservation
+            policy.reserved(reservation)
+        contribute(policy, 0.0, "a", seq=seq)
+    assert policy.join("a", 1.0) == SEQ_BLOCK + 10  # in this life: one above the highest
+    restarted = Policy(PolicyConfig(), versions={0: 0}, reservations=durable)
+    assert restarted.join("a", 2.0) == 2 * SEQ_BLOCK + 10
+    assert restarted.join("b", 2.0) == 1
+    # A reservation never passes the last seq a learner may use.
+    assert policy.reservation("b", MAX_SEQ - 1) == {**durable, "b": MAX_SEQ}
+
+
 def test_join_after_restart_resumes_above_restored_watermarks() -> None:
     restored = Policy(PolicyConfig(), versions={0: 3, 1: 7},
                       merged_seq={0: {"a": 4, "b": 2}, 1: {"a": 9}})
@@ -830,6 +855,10 @@ class PolicyMachine(RuleBasedStateMachine):
         self.rounds: dict[int, list[MergedContribution]] = {p: [] for p in FRAGMENTS}
         self.watermarks: dict[int, dict[str, int]] = {p: {} for p in FRAGMENTS}
         self.merged_ids: set[tuple[str, int, int]] = set()
+        # The seq reservations the shell made durable (`Policy.reservation`).
+        self.reserved: dict[str, int] = {}
+        # Every seq accepted, per learner, across restarts: join stays above them.
+        self.acknowledged: dict[str, int] = {}
         self.closes = 0
         self.accepted = 0
         for learner in joined:
@@ -924,6 +953,8 @@ class PolicyMachine(RuleBasedStateMachine):
     def join(self, learner: str, overlap: int | None) -> None:
         seq = self.policy.join(learner, self.now, overlap_steps=overlap)
         assert seq == self.seen.get(learner, 0) + 1
+        # Above every seq ever acknowledged, in rounds a restart lost too.
+        assert seq > self.acknowledged.get(learner, 0)
         # Joining again (a restart): not live until heard from, while it catches up.
         again = learner in self.joined_ever
         self.joined_ever.add(learner)
@@ -994,7 +1025,15 @@ class PolicyMachine(RuleBasedStateMachine):
             self.rounds[cid.fragment][standing] = replace(replaced, weight=0.0,
                                                           replaced_by=cid.seq)
         had_quorum = self.has_quorum(cid.fragment)
+        # As the shell does: the reservation covering the seq is durable before the ack.
+        reservation = self.policy.reservation(cid.learner_id, cid.seq)
+        if reservation is not None:
+            self.policy.reserved(reservation)
+            self.reserved = reservation
+        assert self.reserved[cid.learner_id] >= cid.seq
         self.policy.accept(admission, self.now)
+        self.acknowledged[cid.learner_id] = max(self.acknowledged.get(cid.learner_id, 0),
+                                                cid.seq)
         member = self.members[cid.learner_id]
         member.last_seen = self.now
         member.local_step = max(member.local_step, offer.local_step)
@@ -1095,17 +1134,18 @@ class PolicyMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.closes > 0)
     @rule()
     def restart(self) -> None:
-        """The daemon restarts from its committed versions and watermarks: open
-        rounds and memberships are lost, learners must join again."""
+        """The daemon restarts from its committed versions, watermarks and seq
+        reservations: open rounds and memberships are lost, learners must join again."""
         self.policy = Policy(self.config, versions=dict(self.versions),
-                             merged_seq={p: dict(m) for p, m in self.watermarks.items()})
+                             merged_seq={p: dict(m) for p, m in self.watermarks.items()},
+                             reservations=dict(self.reserved))
         self.members = {}
         self.rounds = {p: [] for p in FRAGMENTS}
-        self.seen = {}
+        self.seen = dict(self.reserved)
         for marks in self.watermarks.values():
             for lid, seq in marks.items():
                 self.seen[lid] = max(self.seen.get(lid, 0), seq)
-        # What the restored policy knows of a learner is its merged seqs.
+        # What the restored policy knows of a learner: its merged and reserved seqs.
         self.joined_ever = set(self.seen)
 
     def teardown(self) -> None:
