@@ -40,12 +40,12 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
+    Message,
     MessageType,
     Metadata,
     MetricRecord,
     RecordDict,
 )
-from flwr.app.message import make_message
 from flwr.client import Client, NumPyClient
 from flwr.clientapp import ClientApp
 from flwr.common import (
@@ -253,8 +253,15 @@ class ClientAppTrainer:
             group_id=str(round_), created_at=time.time(), ttl=DEFAULT_TTL,
             message_type=message_type)
         content = RecordDict({ARRAYS_KEY: record, CONFIG_KEY: ConfigRecord(dict(config))})
-        # Built from metadata as the SuperLink does: no TaskIdentity in this process.
-        reply = self.app(make_message(metadata, content), self.context)
+        # This process plays the SuperNode, so the message carries the metadata a SuperNode
+        # delivers: the exported Message and Metadata, Message taking `metadata=` as
+        # Flower's own infrastructure does. Its documented instruction signature,
+        # Message(content, dst_node_id, message_type), would read the run and node ids
+        # of a Flower task process (TaskIdentity), which this one is not; the typed
+        # overloads leave `metadata=` out, hence the ignore. Tested with flwr 1.42
+        # (pyproject pins that range).
+        message = Message(content=content, metadata=metadata)  # type: ignore[call-overload]
+        reply = self.app(message, self.context)
         if reply.has_error():
             raise RuntimeError(f"ClientApp {message_type} failed: {reply.error.code}: "
                                f"{reply.error.reason}")
