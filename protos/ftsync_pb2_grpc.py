@@ -95,14 +95,17 @@ class SynchronizerServicer(object):
 
     def FetchSnapshot(self, request, context):
         """Every fragment at one consistent vector of versions: a header then the
-        chunks of each fragment in turn.
+        chunks of each fragment in turn (a fragment without an initial value: a
+        header with version -1 and no chunks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The learner stops holding rounds open; its contributions already
+        acknowledged are still merged. Join again to come back.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -315,7 +318,10 @@ class Synchronizer(object):
 
 
 class AdminStub(object):
-    """Missing associated documentation comment in .proto file."""
+    """Operators' calls. Both need the admin credentials: a client certificate
+    issued to "ftsync-admin", or `authorization: Bearer <auth.admin_token>`
+    (open to anyone when neither is configured and mutual TLS is off).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -336,7 +342,10 @@ class AdminStub(object):
 
 
 class AdminServicer(object):
-    """Missing associated documentation comment in .proto file."""
+    """Operators' calls. Both need the admin credentials: a client certificate
+    issued to "ftsync-admin", or `authorization: Bearer <auth.admin_token>`
+    (open to anyone when neither is configured and mutual TLS is off).
+    """
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -347,7 +356,10 @@ class AdminServicer(object):
     def Drain(self, request, context):
         """Take no new rounds, commit the open ones, hand leadership to an in-sync
         standby (with replicas), answer, then exit: the replica can be upgraded
-        and restarted with nothing lost. Needs the admin credentials, as Status.
+        and restarted with nothing lost. While it drains, a push that would open
+        a round is refused as draining (go to the next leader, as for
+        not_leader). A leader with no standby to hand over to is refused as
+        no_standby.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -375,7 +387,10 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin(object):
-    """Missing associated documentation comment in .proto file."""
+    """Operators' calls. Both need the admin credentials: a client certificate
+    issued to "ftsync-admin", or `authorization: Bearer <auth.admin_token>`
+    (open to anyone when neither is configured and mutual TLS is off).
+    """
 
     @staticmethod
     def Status(request,
@@ -435,6 +450,8 @@ class Admin(object):
 class ReplicationStub(object):
     """Coordinator replicas among themselves: the leader pushes every committed
     version to each standby, which writes it durably before acknowledging.
+    Served only by replicas; needs a certificate issued to "ftsync-coordinator"
+    or the replicas' shared ha.token.
     """
 
     def __init__(self, channel):
@@ -453,6 +470,8 @@ class ReplicationStub(object):
 class ReplicationServicer(object):
     """Coordinator replicas among themselves: the leader pushes every committed
     version to each standby, which writes it durably before acknowledging.
+    Served only by replicas; needs a certificate issued to "ftsync-coordinator"
+    or the replicas' shared ha.token.
     """
 
     def Replicate(self, request_iterator, context):
@@ -480,6 +499,8 @@ def add_ReplicationServicer_to_server(servicer, server):
 class Replication(object):
     """Coordinator replicas among themselves: the leader pushes every committed
     version to each standby, which writes it durably before acknowledging.
+    Served only by replicas; needs a certificate issued to "ftsync-coordinator"
+    or the replicas' shared ha.token.
     """
 
     @staticmethod
