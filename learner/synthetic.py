@@ -18,8 +18,11 @@ import numpy as np
 
 
 def layout_hash(numels: list[int], name: str) -> str:
-    """Same model and fragment count → same hash, on every learner."""
-    return hashlib.sha256(f"{name}:{numels}".encode()).hexdigest()[:16]
+    """Same model and fragment count → same hash, on every learner: the first 16 hex
+    digits of SHA-256 over `NAME:[n0, n1, ...]` (docs/protocol.md, "Layout hash"; the
+    synthetic task's NAME is `synthetic-DIM`)."""
+    listed = ", ".join(str(int(n)) for n in numels)
+    return hashlib.sha256(f"{name}:[{listed}]".encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -59,5 +62,7 @@ class RegressionTask:
         return float(np.mean((self.eval_x @ self.params - self.eval_y) ** 2))
 
     def fragment_bounds(self, fragments: int) -> list[tuple[int, int]]:
-        edges = np.linspace(0, self.dim, fragments + 1).astype(int)
-        return [(int(a), int(b)) for a, b in itertools.pairwise(edges)]
+        """Fragment p holds elements floor(p·dim/P) to floor((p+1)·dim/P), in integer
+        arithmetic so that any learner computes the same edges."""
+        edges = [p * self.dim // fragments for p in range(fragments + 1)]
+        return list(itertools.pairwise(edges))
