@@ -322,9 +322,8 @@ class SynchronizerClient:
                 self.addresses.append(hint)
             self._current = self.addresses.index(hint)
         elif self._etcd is not None:
-            leader = await _leader_from_etcd(*self._etcd, self.tls,
-                                             avoid=before if failed else "",
-                                             wait_s=_HEARTBEAT_DEADLINE_S)
+            leader = await _leader_from_etcd(*self._etcd, avoid=before if failed else "",
+                                             wait_s=_HEARTBEAT_DEADLINE_S, tls=self.tls)
             if leader and leader not in self.addresses:
                 self.addresses.append(leader)
             if leader:
@@ -679,9 +678,8 @@ class SynchronizerClient:
                     await asyncio.sleep(delay)
 
 
-async def _leader_from_etcd(endpoints: list[str], run: str, tls: TlsMaterial | None,
-                            avoid: str = "",
-                            wait_s: float = 0.0) -> str:
+async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
+                            wait_s: float = 0.0, tls: TlsMaterial | None = None) -> str:
     """The leader's address as etcd has it; "" when none leads or etcd is unreachable.
 
     While it is `avoid` (a replica that just failed) or absent, it is read again,
