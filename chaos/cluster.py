@@ -229,6 +229,10 @@ class Cluster(abc.ABC, Generic[H]):
     def start_adversary(self, name: str, kinds: list[str], duration_s: float) -> None: ...
 
     @abc.abstractmethod
+    def adversaries_running(self) -> bool:
+        """Whether an adversary the run started is still sending."""
+
+    @abc.abstractmethod
     def stop_all(self) -> None:
         """Stop (and on docker remove) everything started; safe to call more than once."""
 
@@ -509,8 +513,11 @@ class Cluster(abc.ABC, Generic[H]):
 
     @property
     def finished(self) -> bool:
-        """Every learner has run out of steps (none down waiting for a restart)."""
-        return all(s.state == "done" or s.state.startswith("exited") for s in self.learners)
+        """Every learner has run out of steps (none down waiting for a restart), and
+        every adversary has sent its last attack (each sends every kind at least once,
+        which the checks look for, however slowly it started)."""
+        return (all(s.state == "done" or s.state.startswith("exited") for s in self.learners)
+                and not self.adversaries_running())
 
     def stop(self, reason: str) -> None:
         """Stop everything started, politely first; safe to call more than once."""

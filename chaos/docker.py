@@ -568,6 +568,14 @@ class DockerCluster(Cluster[ContainerProcess]):
         self._record_start("etcd", name, pid=self._pid(container))
         return "restarted on its data directory"
 
+    def adversaries_running(self) -> bool:
+        for container in self.adversaries:
+            with contextlib.suppress(docker.errors.NotFound):  # removed: not running
+                container.reload()
+                if container.status in ("created", "running", "restarting"):
+                    return True
+        return False
+
     def start_adversary(self, name: str, kinds: list[str], duration_s: float) -> None:
         container = self._run(name, ["python3", "-m", "chaos.adversary", *self.adversary_args(
             name, f"coordinator:{GRPC_PORT}", kinds, duration_s,

@@ -274,6 +274,9 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
         self.etcd.kill(index)
         return ""
 
+    def adversaries_running(self) -> bool:
+        return any(process.poll() is None for process in self.adversaries)
+
     def start_adversary(self, name: str, kinds: list[str], duration_s: float) -> None:
         process = subprocess.Popen(
             [sys.executable, "-m", "chaos.adversary", *self.adversary_args(
