@@ -152,15 +152,12 @@ def _check_config(args: argparse.Namespace) -> int:
     """What a start checks before it touches anything, and nothing more: the state
     directory, etcd and the ports are not looked at, so it runs anywhere the
     files are (a pod's init container, a test)."""
+    from coordinator.daemon import server_tls
+
     try:
         config = _config(args)
         config.tokens()
-        material = tls.load(config.tls)
-        tls.require_tls_off_loopback(config.listen, material, config.tls.insecure,
-                                     "ftsync-coordinator")
-        if material is not None and not material.can_serve:
-            raise tls.TlsError("tls.ca alone is not enough to serve TLS; give tls.cert and "
-                               "tls.key too")
+        server_tls(config)
     except ValueError as exc:  # ConfigError and TlsError
         print(f"ftsync-coordinator: {exc}", file=sys.stderr)
         return 2

@@ -119,6 +119,13 @@ class Drainer:
                                 epoch=leader.epoch if leader else 0)
 
 
+def server_tls(config: CoordinatorConfig) -> tls.TlsMaterial | None:
+    """The checked TLS material the daemon serves with (`tls.check_server`)."""
+    material = tls.load(config.tls)
+    tls.check_server(config.listen, material, config.tls.insecure, "ftsync-coordinator")
+    return material
+
+
 async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set or a termination signal arrives."""
     tune_allocator()
@@ -129,14 +136,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        material = tls.load(config.tls)
-        tls.require_tls_off_loopback(config.listen, material, config.tls.insecure,
-                                     "ftsync-coordinator")
+        material = server_tls(config)
     except tls.TlsError as exc:
         raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
-    if material is not None and not material.can_serve:
-        raise SystemExit("ftsync-coordinator: cannot start: tls.ca alone is not enough to "
-                         "serve TLS; give tls.cert and tls.key too")
     try:
         engine = Engine(config)
     except OSError as exc:  # the state directory, the event log, the metrics port

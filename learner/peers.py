@@ -44,8 +44,8 @@ from protos.tls import (
     TlsMaterial,
     add_port,
     aio_channel,
+    check_server,
     client_context,
-    require_tls_off_loopback,
     server_context,
 )
 
@@ -265,12 +265,9 @@ class PeerServer:
         returns the gRPC address as bound."""
         host, _ = split_address(address)
         try:
-            require_tls_off_loopback(address, self.tls, insecure, "serving peers")
+            check_server(address, self.tls, insecure, "serving peers")
         except TlsError as exc:
             raise OSError(str(exc)) from None
-        if self.tls is not None and not self.tls.can_serve:
-            raise OSError(f"cannot serve peers on {address} over TLS without a certificate: "
-                          f"give this learner --tls-cert and --tls-key")
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
             host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         listener = socket.socket(family, kind, proto)

@@ -12,7 +12,7 @@ halves of a channel are secured alike.
 
 Plaintext stays the default on loopback, where the README's commands run;
 a server on any other address needs TLS or an explicit `insecure`
-(`require_tls_off_loopback`).
+(`check_server`).
 """
 
 from __future__ import annotations
@@ -187,9 +187,13 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def require_tls_off_loopback(address: str, material: TlsMaterial | None, insecure: bool,
-                             what: str) -> None:
-    """Refuse to serve plaintext beyond loopback unless `insecure` says so."""
+def check_server(address: str, material: TlsMaterial | None, insecure: bool,
+                 what: str) -> None:
+    """What every server checks before it listens on `address`: TLS needs a
+    certificate of its own, and plaintext beyond loopback needs `insecure`."""
+    if material is not None and not material.can_serve:
+        raise TlsError(f"{what}: tls.ca alone is not enough to serve TLS; give --tls-cert "
+                       f"and --tls-key (tls.cert, tls.key) too")
     if material is None and not insecure and not is_loopback(address):
         raise TlsError(f"{what} would listen on {address} without TLS: give --tls-cert and "
                        f"--tls-key (tls.cert, tls.key), or --insecure (tls.insecure) to "
