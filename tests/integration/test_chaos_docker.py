@@ -13,7 +13,6 @@ on an idle machine too.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from chaos.docker import EXPERIMENT_LABEL, leftovers
 from chaos.experiment import Experiment
 from coordinator.config import ConfigError, load
 from tests.docker import wait_for
+from tests.integration.test_chaos_faults import run
 
 EXPERIMENT = """\
 name = "{name}"
@@ -75,18 +75,6 @@ def fault(kind: str, target: str, at_s: float, duration_s: float, extra: str = "
             f"duration_s = {duration_s}\n{extra}\n")
 
 
-def run(tmp_path: Path, text: str, timeout: float = 240) -> tuple[list[dict[str, Any]],
-                                                                  dict[str, Any]]:
-    path = tmp_path / "experiment.toml"
-    path.write_text(text)
-    out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
-                             "--quiet"], capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    return events, json.loads((out / "summary.json").read_text())
-
-
 def faults_of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "fault" and e["fault"] == kind]
 
@@ -107,7 +95,7 @@ def test_kill_pause_latency_and_bandwidth_in_containers(image: str, tmp_path: Pa
               + fault("latency", "learner-0", 8, 3, "latency_ms = 150")
               + fault("bandwidth", "learner-1", 8, 3, "bandwidth_bytes_s = 50000"))
     name = "docker-faults-single"
-    events, summary = run(tmp_path, EXPERIMENT.format(name=name, image=image, steps=1500,
+    events, summary = run(tmp_path, name, EXPERIMENT.format(name=name, image=image, steps=1500,
                                                       step_ms=10, faults=faults, **SINGLE))
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
     for kind in ("kill_learner", "pause_learner", "latency", "bandwidth"):
@@ -134,7 +122,7 @@ def test_partitions_of_a_learner_the_leader_and_an_etcd_member(image: str,
               + fault("partition", "m1", 18, 4)
               + fault("partition_learner", "learner-0", 24, 3))
     name = "docker-faults-ha"
-    events, summary = run(tmp_path, EXPERIMENT.format(name=name, image=image, steps=3500,
+    events, summary = run(tmp_path, name, EXPERIMENT.format(name=name, image=image, steps=3500,
                                                       step_ms=10, faults=faults, **HA))
     checks = {check["name"]: check for check in summary["checks"]}
     assert all(check["passed"] for check in checks.values()), summary["checks"]

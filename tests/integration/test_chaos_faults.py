@@ -85,13 +85,14 @@ def experiment_text(kind: str) -> str:
         checks="max_failover_s = 4.0" if kind != "kill_etcd_member" else "")
 
 
-def run(tmp_path: Path, name: str, text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run(tmp_path: Path, name: str, text: str,
+        timeout: float = 240) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run experiment `text` through the user's command; its events and summary."""
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "chaos", "run", str(path), "--out", str(out),
-                             "--quiet"], capture_output=True, text=True, timeout=180)
+                             "--quiet"], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
