@@ -9,11 +9,12 @@ is removed at its end; the host reaches containers only through `docker exec`.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.daemon import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "ftsync:test"
@@ -29,11 +30,8 @@ def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(0.5)
+    """`wait_until`, polling every 0.5 s: each look is a `docker` command."""
+    wait_until(predicate, timeout, 0.5, message)
 
 
 @pytest.fixture(scope="session")
