@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> None:
                                           transport=args.peer_transport, insecure=args.insecure)
         args.tls = tls.from_flags(args, insecure=args.insecure)
         args.tls_material = tls.load(args.tls)
+        names = args.tls_material.names if args.tls_material else frozenset()
+        if names and args.learner_id not in names:
+            # Under mutual TLS the coordinator would refuse every call as unauthenticated.
+            raise ValueError(f"--tls-cert is issued to {', '.join(sorted(names))}, not to "
+                             f"--learner-id {args.learner_id!r}")
         _check_addresses(args.coordinator, args.peers)
     except (CodecError, ValueError) as exc:
         parser.error(str(exc))

@@ -126,3 +126,21 @@ def test_plaintext_is_allowed_on_loopback_only(address: str, loopback: bool) -> 
         with pytest.raises(TlsError, match="without TLS: give --tls-cert"):
             tls.check_server(address, None, False, "a server")
     tls.check_server(address, None, True, "a server")
+
+
+def test_ftsync_learner_refuses_a_certificate_issued_to_another_learner(certs: Path) -> None:
+    import subprocess
+    import sys
+
+    files = ["--tls-cert", str(certs / "learner-l0.pem"), "--tls-key",
+             str(certs / "learner-l0.key"), "--tls-ca", str(certs / "ca.pem")]
+
+    def check(learner: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "learner", "--check-config", "--task",
+                               "synthetic", "--learner-id", learner, *files],
+                              capture_output=True, text=True, timeout=60)
+
+    assert check("l0").returncode == 0
+    refused = check("l1")
+    assert refused.returncode == 2
+    assert "--tls-cert is issued to" in refused.stderr and "'l1'" in refused.stderr
