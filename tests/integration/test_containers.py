@@ -78,7 +78,7 @@ def test_a_learner_container_joins_a_coordinator_container_and_is_merged(
         docker("run", "-d", "--name", f"{network}-learner-{i}", "--network", network, image,
                "ftsync-learner", "--coordinator", "coordinator:50051", "--task", "synthetic",
                "--learner-id", f"learner-{i}", "--shard", str(i), "--num-shards", "2",
-               "--steps", "400", "--sync-every", "10", "--step-ms", "5")
+               "--steps", "20000", "--sync-every", "10", "--step-ms", "5")  # still running
     wait_for(lambda: merged(coordinator) >= 8, 120, "contributions of both learners merged")
     learners = status(coordinator)["learners"]
     assert isinstance(learners, list)
