@@ -25,7 +25,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,8 +40,9 @@ from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
-from protos.codec import MAX_CHUNK_BYTES, Codec, CodecError, codec_for
+from protos.codec import Codec, CodecError, codec_for
 from protos.events import EventLog
+from protos.stream import ChunkReader, StreamEnded, StreamError
 
 # How often the round timer looks at liveness when no deadline is nearer.
 _TICK_S = 0.05
@@ -50,11 +51,6 @@ _BYTES_PER_PARAM = 12
 # How long a push stream that ended early waits for gRPC to cancel its call
 # (cut short) before it is refused as incomplete (the learner sent too little).
 _CUT_NOTICE_S = 0.5
-
-
-class _StreamEnded(Exception):
-    """A push stream ended before its last chunk: cut short, or the learner sent too
-    little; `Engine.push` tells the two apart."""
 
 
 def physical_memory() -> int:
@@ -466,10 +462,10 @@ class Engine:
             prescale = policy.admit(offer, self.clock()).weight
         try:
             return await self._fold_in(header, codec, chunks, offer, prescale)
-        except _StreamEnded as ended:
+        except StreamEnded as ended:
             # Outside the staging lease, which other pushes may be waiting for.
             await self.wait_out_cut(header)
-            raise Rejected(Reason.BAD_SHAPE, str(ended)) from None
+            raise Rejected(Reason.BAD_SHAPE, ended.message) from None
 
     async def wait_out_cut(self, header: pb.PushHeader | None) -> None:
         """Before a push stream that ended too early is refused: a call cut short
@@ -547,40 +543,24 @@ class Engine:
                        prescale: float) -> tuple[float, int]:
         """Decode the chunk stream into `out` as `prescale · values`, checking order,
         sizes and values; returns (‖values‖, bytes received)."""
-        numel = out.size
-        received = 0
-        total_sq = 0.0
-        nbytes = 0
+        reader = ChunkReader(out.size, f"fragment {header.fragment}", codec)
         stream = aiter(messages)
-        while (message := await self._next_message(header, stream, received)) is not None:
-            if message.WhichOneof("kind") != "chunk":
-                raise Rejected(Reason.MALFORMED, "a push stream carries one header, then chunks")
-            chunk = message.chunk
-            data = chunk.data  # each read of a bytes field copies it: read once
-            if len(data) > MAX_CHUNK_BYTES:
-                raise Rejected(Reason.OVERSIZE,
-                               f"chunk at offset {chunk.offset} carries {len(data)} bytes; "
-                               f"the limit is {MAX_CHUNK_BYTES}")
-            if chunk.offset != received:
-                raise Rejected(Reason.MALFORMED,
-                               f"chunk at offset {chunk.offset}, expected offset {received} "
-                               f"(chunks go in order, without gaps)")
-            if chunk.count == 0 or chunk.offset + chunk.count > numel:
-                raise Rejected(Reason.BAD_SHAPE,
-                               f"chunk at offset {chunk.offset} with {chunk.count} elements "
-                               f"does not fit fragment {header.fragment} of {numel} elements")
-            part = out[chunk.offset:chunk.offset + chunk.count]
-            try:
-                codec.decode_into(data, chunk.scale, part, prescale)
-            except CodecError as exc:
-                raise Rejected(Reason.BAD_ENCODING,
-                               f"chunk at offset {chunk.offset}: {exc}") from exc
+        total_sq = 0.0
+
+        def fold_norm(part: np.ndarray) -> None:
+            nonlocal total_sq
             total_sq += norm_sq(part)
-            received += chunk.count
-            nbytes += len(data)
-        if received != numel:
-            raise _StreamEnded(f"stream ended after {received} of {numel} elements of "
-                               f"fragment {header.fragment}")
+
+        def receive() -> Awaitable[pb.PushMessage | None]:
+            return self._next_message(header, stream, reader.received)
+
+        try:
+            await reader.read_into(receive, out, prescale, fold_norm)
+            reader.refuse_more(await receive())
+        except StreamEnded:
+            raise  # cut short, or the learner sent too little: `push` tells which
+        except StreamError as exc:
+            raise Rejected(Reason(exc.reason), exc.message) from exc
         if not math.isfinite(total_sq):
             index = first_non_finite(out)
             if index is not None:
@@ -594,7 +574,7 @@ class Engine:
             raise Rejected(Reason.NORM_BOUND,
                            f"outer-gradient norm {norm:.4g} exceeds the bound {bound:.4g} "
                            f"(limits.norm_bound)")
-        return norm, nbytes
+        return norm, reader.nbytes
 
     async def _next_message(self, header: pb.PushHeader,
                             messages: AsyncIterator[pb.PushMessage],

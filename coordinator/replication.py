@@ -41,6 +41,7 @@ from protos import discovery, tls
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import MAX_CHUNK_BYTES, codec_named, iter_chunk_messages
+from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ async def read_replica(
 
     `check_room(params)` refuses a run too large for this replica (the engine's rule
     for a first Join) before the header's sizes allocate anything."""
-    first = await anext(aiter(messages), None)
+    stream = aiter(messages)
+    first = await anext(stream, None)
     if first is None or first.WhichOneof("kind") != "header":
         raise Rejected(Reason.MALFORMED, "a replication stream starts with a header")
     header = first.header
@@ -97,18 +99,12 @@ async def read_replica(
                                          f"does not fit the run's layout")
     check_room(sum(int(n) for n in header.numels))
     values = np.empty(2 * numel, dtype=np.float32)
-    received = 0
-    async for message in messages:
-        chunk = message.chunk
-        if message.WhichOneof("kind") != "chunk" or chunk.offset != received:
-            raise Rejected(Reason.MALFORMED, f"replication chunk out of order at {received}")
-        if chunk.offset + chunk.count > values.size or len(chunk.data) != 4 * chunk.count:
-            raise Rejected(Reason.BAD_SHAPE, f"replication chunk at {chunk.offset} does not fit")
-        values[chunk.offset:chunk.offset + chunk.count] = np.frombuffer(chunk.data, "<f4")
-        received += chunk.count
-    if received != values.size:
-        raise Rejected(Reason.BAD_SHAPE, f"replication stream ended after {received} of "
-                                         f"{values.size} elements")
+    reader = ChunkReader(values.size, f"the replica of fragment {header.fragment}")
+    try:
+        await reader.read_into(lambda: anext(stream, None), values)
+        reader.refuse_more(await anext(stream, None))
+    except StreamError as exc:
+        raise Rejected(Reason(exc.reason), exc.message) from exc
     run = RunRecord(header.run_id, header.layout_hash, tuple(int(n) for n in header.numels))
     record = FragmentRecord(
         fragment=int(header.fragment), version=int(header.version),

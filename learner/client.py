@@ -46,6 +46,7 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.codec import Codec, codec_named, iter_chunk_messages
 from protos.events import EventLog
+from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial, aio_channel, diagnose
 
 T = TypeVar("T")
@@ -513,22 +514,21 @@ class SynchronizerClient:
             header = message.header
             if message.WhichOneof("kind") != "header" or (only is not None
                                                           and header.fragment != only):
-                raise RuntimeError("pull stream out of order: expected a fragment header")
+                raise StreamError("malformed", "pull stream out of order: expected a header "
+                                               f"of fragment {only if only is not None else 'any'}")
             self._check_epoch(header.epoch)
             if header.not_modified:
                 return None
             if header.version >= 0:
                 break  # fragments without a version yet come as a bare header
+        if header.fragment >= len(self.numels) or header.numel != self.numels[header.fragment]:
+            # Checked before the header's size allocates anything.
+            raise StreamError("bad_shape", f"pulled fragment {header.fragment} of "
+                                           f"{header.numel} elements does not fit the layout "
+                                           f"({len(self.numels)} fragments)")
         values = np.empty(header.numel, dtype=np.float32)
-        received = 0
-        while received < header.numel:
-            message = await anext(stream, None)
-            if message is None or message.WhichOneof("kind") != "chunk":
-                raise RuntimeError(f"pull of fragment {header.fragment} ended after "
-                                   f"{received} of {header.numel} elements")
-            chunk = message.chunk
-            values[chunk.offset:chunk.offset + chunk.count] = np.frombuffer(chunk.data, "<f4")
-            received += chunk.count
+        reader = ChunkReader(header.numel, f"fragment {header.fragment}")
+        await reader.read_into(lambda: anext(stream, None), values)
         self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
                                          merged_seq=header.merged_seq,
                                          commit_id=header.commit_id)])

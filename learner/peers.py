@@ -39,6 +39,7 @@ from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
 from protos.codec import FP32, iter_chunk_messages
 from protos.events import EventLog
+from protos.stream import ChunkReader
 from protos.tls import (
     TlsError,
     TlsMaterial,
@@ -576,17 +577,9 @@ async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel:
                              f"{request.version} (commit {request.commit_id:x}) of {numel} "
                              f"elements")
         values = np.empty(numel, dtype=np.float32)
-        received = 0
-        while received < numel:
-            message = await asyncio.wait_for(anext(stream, None), idle_timeout_s)
-            if message is None or message.WhichOneof("kind") != "chunk":
-                raise ValueError(f"peer stream ended after {received} of {numel} elements")
-            chunk = message.chunk
-            if chunk.offset != received or chunk.offset + chunk.count > numel:
-                raise ValueError(f"peer sent a chunk at {chunk.offset} of {chunk.count} "
-                                 f"elements after {received} of {numel}")
-            values[received:received + chunk.count] = np.frombuffer(chunk.data, "<f4")
-            received += chunk.count
+        reader = ChunkReader(numel, f"fragment {request.fragment}")
+        await reader.read_into(lambda: asyncio.wait_for(anext(stream, None), idle_timeout_s),
+                               values)
         return values
     finally:
         call.cancel()

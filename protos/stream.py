@@ -1,0 +1,117 @@
+"""The one reader of header-plus-chunks streams (`ftsync.proto`'s `Chunk`).
+
+Pushes, pulls and snapshots, replication and peer catch-up over gRPC all send
+a header and then the chunks of one flat fp32 vector, in order from offset 0.
+`ChunkReader` checks every chunk of such a stream the same way — its kind,
+its order, its bounds, its size — and decodes it straight into the caller's
+vector, so that the daemon, the learner's client, the peers and the standbys
+refuse a bad stream for the same reasons, with the same words. It does no
+I/O of its own: the caller hands it a `receive` that awaits the next message
+(with whatever idle timeout fits that caller) and maps a `StreamError`'s
+`reason` (a `coordinator.errors.Reason` value) to its own refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from protos import ftsync_pb2 as pb
+from protos.codec import FP32, MAX_CHUNK_BYTES, Codec, CodecError
+
+Floats = NDArray[np.float32]
+
+
+class ChunkMessage(Protocol):
+    """A push, pull or replica stream message: a oneof of a header and a chunk."""
+
+    @property
+    def chunk(self) -> pb.Chunk: ...
+
+    def WhichOneof(self, name: str) -> str | None: ...
+
+
+class StreamError(ValueError):
+    """A chunk stream that breaks the contract; `reason` is the refusal's code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class StreamEnded(StreamError):
+    """The stream ended before its vector was complete: cut short, or too short."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_shape", message)
+
+
+class ChunkReader:
+    """Checks and decodes the chunks of one vector of `numel` elements.
+
+    `subject` names the vector in messages ("fragment 3"); chunks come in order
+    without gaps, each with at least one element, within the vector, at most
+    `MAX_CHUNK_BYTES` of data and exactly the codec's size for its count."""
+
+    def __init__(self, numel: int, subject: str, codec: Codec = FP32) -> None:
+        self.numel = numel
+        self.subject = subject
+        self.codec = codec
+        self.received = 0  # elements
+        self.nbytes = 0  # bytes of chunk data
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.numel
+
+    def accept(self, message: ChunkMessage, out: Floats, weight: float = 1.0) -> Floats:
+        """Decode one chunk message into its slice of `out` as `weight · values`;
+        returns that slice."""
+        if message.WhichOneof("kind") != "chunk":
+            raise StreamError("malformed", f"the stream of {self.subject} carries one "
+                                           f"header, then chunks")
+        chunk = message.chunk
+        data = chunk.data  # each read of a bytes field copies it: read once
+        if len(data) > MAX_CHUNK_BYTES:
+            raise StreamError("oversize", f"chunk at offset {chunk.offset} carries "
+                                          f"{len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
+        if chunk.offset != self.received:
+            raise StreamError("malformed", f"chunk at offset {chunk.offset}, expected offset "
+                                           f"{self.received} (chunks go in order, without "
+                                           f"gaps)")
+        if chunk.count == 0 or chunk.offset + chunk.count > self.numel:
+            raise StreamError("bad_shape", f"chunk at offset {chunk.offset} with {chunk.count} "
+                                           f"elements does not fit {self.subject} of "
+                                           f"{self.numel} elements")
+        part = out[chunk.offset:chunk.offset + chunk.count]
+        try:
+            self.codec.decode_into(data, chunk.scale, part, weight)
+        except CodecError as exc:
+            raise StreamError("bad_encoding", f"chunk at offset {chunk.offset}: {exc}") from exc
+        self.received += chunk.count
+        self.nbytes += len(data)
+        return part
+
+    async def read_into(self, receive: Callable[[], Awaitable[ChunkMessage | None]],
+                        out: Floats, weight: float = 1.0,
+                        each: Callable[[Floats], None] | None = None) -> None:
+        """Receive chunks until the vector is complete; `each` sees every decoded
+        slice. `StreamEnded` when `receive` answers None (the stream's end) first."""
+        while not self.complete:
+            message = await receive()
+            if message is None:
+                raise StreamEnded(f"stream ended after {self.received} of {self.numel} "
+                                  f"elements of {self.subject}")
+            part = self.accept(message, out, weight)
+            if each is not None:
+                each(part)
+
+    def refuse_more(self, message: ChunkMessage | None) -> None:
+        """A message after the last chunk of a stream that carries one vector."""
+        if message is not None:
+            raise StreamError("bad_shape", f"the stream of {self.subject} goes on after its "
+                                           f"{self.numel} elements")
