@@ -12,6 +12,14 @@ loop; `ThreadedProxy` runs one on its own loop in a background thread for
 synchronous callers such as the chaos harness. `python -m chaos.proxy` runs
 one as a process of its own (the docker backend runs it in a container beside
 the learner it serves), switched by one-line commands on a control port.
+
+A `LinkSpec` (one-way latency and a bandwidth cap, from an experiment file or
+the CLI flags) makes the proxy a wide-area link from the start, as
+`bench/wan.py` and `bench/convergence.py --wan` use it; faults switch away from
+it and healing returns to it. The link is a `DelayLine` (each piece due a
+latency after it was read, so bytes in flight overlap their delays and
+throughput is kept) followed by a `TokenBucket` per direction; both are pure
+(the time is passed in) and the asyncio pumps are their shell.
 """
 
 from __future__ import annotations
@@ -20,15 +28,17 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["FaultProxy", "ProxyStats", "ThreadedProxy", "control", "parse_address"]
+__all__ = ["DelayLine", "FaultProxy", "LinkSpec", "ProxyStats", "ThreadedProxy",
+           "TokenBucket", "control", "parse_address"]
 
 T = TypeVar("T")
 
@@ -40,6 +50,9 @@ _STREAM_LIMIT = 1 << 20
 # (pieces waiting out their latency); past it the reader stops reading and TCP
 # pushes back on the sender. Caps throughput under latency at this / latency.
 _IN_FLIGHT_BYTES = 16 << 20
+# Under a bandwidth cap a link holds what it carries in two of its latencies,
+# at least this: more would only queue in front of later calls (bufferbloat).
+_CAPPED_IN_FLIGHT_MIN = 256 << 10
 # Write buffer before `drain()` waits: enough to keep the socket busy.
 _WRITE_HIGH_WATER = 4 << 20
 # Under a bandwidth cap, pieces go out in slices of this many seconds' worth,
@@ -72,17 +85,41 @@ class ProxyStats:
     bytes_discarded_down: int = 0
 
 
-class _TokenBucket:
+@dataclass(frozen=True)
+class LinkSpec:
+    """A wide-area link the proxy emulates from the start: `latency_ms` one way
+    in each direction (a round trip costs twice that) and `bandwidth_bytes_s`
+    in each direction, shared by all of the proxy's connections (0: no cap)."""
+
+    latency_ms: float = 0.0
+    bandwidth_bytes_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
+            raise ValueError(f"latency_ms must be >= 0 and finite (got {self.latency_ms})")
+        if not (math.isfinite(self.bandwidth_bytes_s) and self.bandwidth_bytes_s >= 0):
+            raise ValueError(f"bandwidth_bytes_s must be >= 0 and finite, 0 for no cap "
+                             f"(got {self.bandwidth_bytes_s})")
+
+    @property
+    def bandwidth(self) -> float | None:
+        """The cap in bytes per second, None for none."""
+        return self.bandwidth_bytes_s or None
+
+
+class TokenBucket:
     """Paces one direction of the whole proxy (all connections share it).
 
-    Takers may run into debt: each one sleeps until the debt it sees is paid,
-    so concurrent takers are served at the rate in aggregate, in turn.
+    Takers may run into debt: each one waits until the debt it sees is paid,
+    so concurrent takers are served at the rate in aggregate, in turn. Pure:
+    the caller passes the time and does the waiting.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_s: float | None = None, now: float = 0.0) -> None:
         self.rate: float | None = None
         self._tokens = 0.0
         self._stamp = 0.0
+        self.set_rate(bytes_per_s, now)
 
     def set_rate(self, bytes_per_s: float | None, now: float) -> None:
         self.rate = float(bytes_per_s) if bytes_per_s else None
@@ -91,55 +128,100 @@ class _TokenBucket:
 
     @property
     def burst(self) -> float:
+        """Bytes that may go at once: `_PACING_S` worth, at least `_MIN_SLICE`."""
         return 0.0 if self.rate is None else max(_MIN_SLICE, self.rate * _PACING_S)
 
-    async def take(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+    def take(self, n: int, now: float) -> float:
+        """Spend `n` bytes' tokens at `now`; the seconds the taker must wait
+        before sending them (0 when the bucket held enough, or with no cap)."""
         rate = self.rate
         if rate is None:
-            return
-        now = loop.time()
+            return 0.0
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * rate) - n
         self._stamp = now
-        if self._tokens < 0:
-            await asyncio.sleep(-self._tokens / rate)
+        return -self._tokens / rate if self._tokens < 0 else 0.0
+
+
+class DelayLine(Generic[T]):
+    """Pieces in order, each due `latency_s` after it was put: the pieces in
+    flight wait out their delays side by side, not one after another, so a
+    latency costs time once per piece's journey and no throughput. A piece is
+    never due before the one ahead of it (a latency lowered mid-stream keeps
+    the order). Pure: the caller passes the time; `size` counts towards
+    `limit_bytes`, past which `full` tells the reader to stop."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._items: deque[tuple[float, T, int]] = deque()
+        self._bytes = 0
+        self._last_due = -math.inf
+
+    def put(self, item: T, size: int, now: float, latency_s: float) -> float:
+        """Add `item` read at `now`; returns when it is due."""
+        due = max(now + latency_s, self._last_due)
+        self._last_due = due
+        self._items.append((due, item, size))
+        self._bytes += size
+        return due
+
+    def pop(self) -> tuple[float, T]:
+        """The next piece and when it is due (it may not be yet)."""
+        due, item, size = self._items.popleft()
+        self._bytes -= size
+        return due, item
+
+    def peek(self) -> tuple[float, T] | None:
+        """The next piece and when it is due, left in line; None when empty."""
+        return self._items[0][:2] if self._items else None
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def full(self) -> bool:
+        return self._bytes >= self.limit_bytes
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class _Pipe:
-    """Pieces read but not yet written, in order, each with the time it is due.
+    """The asyncio shell of one direction's `DelayLine`: one reader puts (and
+    waits while the line is full), one writer takes (and waits while it is
+    empty). `None` for data means end of stream."""
 
-    One reader puts, one writer takes; it holds at most `_IN_FLIGHT_BYTES`
-    (a piece that would cross that waits until the writer catches up).
-    `None` for data means end of stream.
-    """
-
-    def __init__(self) -> None:
-        self._items: deque[tuple[float, bytes | None]] = deque()
-        self._bytes = 0
+    def __init__(self, limit_bytes: Callable[[], int]) -> None:
+        self._limit_bytes = limit_bytes
+        self._line: DelayLine[bytes | None] = DelayLine(limit_bytes())
         self._not_empty = asyncio.Event()
         self._not_full = asyncio.Event()
         self._not_full.set()
 
-    async def put(self, due: float, data: bytes | None) -> None:
-        while self._bytes >= _IN_FLIGHT_BYTES:
+    def _full(self) -> bool:
+        self._line.limit_bytes = self._limit_bytes()  # the link may have changed
+        return self._line.full
+
+    async def put(self, now: float, latency_s: float, data: bytes | None) -> None:
+        while self._full():
             self._not_full.clear()
             await self._not_full.wait()
-        self._items.append((due, data))
-        self._bytes += len(data) if data else 0
+        self._line.put(data, len(data) if data else 0, now, latency_s)
         self._not_empty.set()
 
     async def get(self) -> tuple[float, bytes | None]:
-        while not self._items:
+        while not self._line:
             self._not_empty.clear()
             await self._not_empty.wait()
-        due, data = self._items.popleft()
-        self._bytes -= len(data) if data else 0
-        if self._bytes < _IN_FLIGHT_BYTES:
+        due, data = self._line.pop()
+        if not self._full():
             self._not_full.set()
         return due, data
 
     def ready(self, now: float) -> bool:
         """Whether the next piece is due by `now` (and is data, not the end)."""
-        return bool(self._items) and self._items[0][0] <= now and self._items[0][1] is not None
+        head = self._line.peek()
+        return head is not None and head[0] <= now and head[1] is not None
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
@@ -184,16 +266,17 @@ class FaultProxy:
     """
 
     def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, link: LinkSpec | None = None) -> None:
         self.upstream = parse_address(upstream)
         self.host = host
         self.port = port
+        self.link = link or LinkSpec()
         self.stats = ProxyStats()
-        self._latency_s = 0.0
-        self._bandwidth: float | None = None
+        self._latency_s = self.link.latency_ms / 1000.0
+        self._bandwidth = self.link.bandwidth
         self._partitioned = False
         self._stopping = False
-        self._buckets = {"up": _TokenBucket(), "down": _TokenBucket()}
+        self._buckets = {"up": TokenBucket(self._bandwidth), "down": TokenBucket(self._bandwidth)}
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -205,6 +288,8 @@ class FaultProxy:
     async def start(self) -> int:
         """Listen; returns the port (the ephemeral one if constructed with 0)."""
         self._loop = asyncio.get_running_loop()
+        for bucket in self._buckets.values():  # full from now, on this loop's clock
+            bucket.set_rate(self._bandwidth, self._now())
         self._server = await asyncio.start_server(self._handle, self.host, self.port,
                                                   limit=_STREAM_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -237,17 +322,13 @@ class FaultProxy:
 
         Pieces already read keep the delay they were read under; order is kept.
         """
-        if ms < 0:
-            raise ValueError("latency must be >= 0 ms")
-        self._latency_s = ms / 1000.0
+        self._latency_s = LinkSpec(latency_ms=ms).latency_ms / 1000.0
 
     def set_bandwidth(self, bytes_per_s: float | None) -> None:
         """Cap each direction at `bytes_per_s`, across all of this proxy's
         connections together (one proxy models one learner's link); 0 or None
         lifts the cap."""
-        if bytes_per_s is not None and bytes_per_s < 0:
-            raise ValueError("bandwidth must be >= 0 bytes/s")
-        self._bandwidth = float(bytes_per_s) if bytes_per_s else None
+        self._bandwidth = LinkSpec(bandwidth_bytes_s=bytes_per_s or 0.0).bandwidth
         now = self._now()
         for bucket in self._buckets.values():
             bucket.set_rate(self._bandwidth, now)
@@ -279,6 +360,11 @@ class FaultProxy:
         for connection in list(self._connections):
             self._reset(connection)
 
+    def restore_link(self) -> None:
+        """Latency and bandwidth back to the link the proxy was made with."""
+        self.set_latency(self.link.latency_ms)
+        self.set_bandwidth(self.link.bandwidth)
+
     @property
     def partitioned(self) -> bool:
         return self._partitioned
@@ -288,6 +374,7 @@ class FaultProxy:
         return {
             "listen": self.address,
             "upstream": f"{self.upstream[0]}:{self.upstream[1]}",
+            "link": asdict(self.link),
             "latency_ms": self._latency_s * 1000.0,
             "bandwidth_bytes_per_s": self._bandwidth,
             "partitioned": self._partitioned,
@@ -298,6 +385,12 @@ class FaultProxy:
 
     def _now(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0
+
+    def _in_flight_limit(self) -> int:
+        if self._bandwidth is None:
+            return _IN_FLIGHT_BYTES
+        carried = 2 * self._bandwidth * self._latency_s + self._buckets["up"].burst
+        return min(_IN_FLIGHT_BYTES, max(_CAPPED_IN_FLIGHT_MIN, int(carried)))
 
     def _reset(self, connection: _Connection) -> None:
         if not connection.aborted:
@@ -350,7 +443,7 @@ class FaultProxy:
             return
         for writer in (connection.client, upstream_writer):
             writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        up, down = _Pipe(), _Pipe()
+        up, down = _Pipe(self._in_flight_limit), _Pipe(self._in_flight_limit)
         pumps = [
             asyncio.create_task(self._receive(connection, client_reader, up, "up")),
             asyncio.create_task(self._deliver(connection, up, upstream_writer, "up")),
@@ -374,8 +467,8 @@ class FaultProxy:
             if connection.blackholed:
                 self._count_discarded(direction, len(data))
             else:
-                await pipe.put(loop.time() + self._latency_s, data)
-        await pipe.put(loop.time() + self._latency_s, None)
+                await pipe.put(loop.time(), self._latency_s, data)
+        await pipe.put(loop.time(), self._latency_s, None)
 
     async def _deliver(self, connection: _Connection, pipe: _Pipe,
                        writer: asyncio.StreamWriter, direction: str) -> None:
@@ -410,8 +503,9 @@ class FaultProxy:
             step = max(1, int(bucket.burst))
             for start in range(0, len(view), step):
                 piece = view[start:start + step]
-                if not connection.blackholed:
-                    await bucket.take(len(piece), loop)
+                wait = 0.0 if connection.blackholed else bucket.take(len(piece), loop.time())
+                if wait:
+                    await asyncio.sleep(wait)
                 if connection.blackholed:  # before or while waiting for tokens
                     self._count_discarded(direction, len(piece))
                     continue
@@ -437,8 +531,8 @@ class ThreadedProxy:
     callers; each method returns once the proxy has applied it."""
 
     def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
-                 port: int = 0, timeout_s: float = 10.0) -> None:
-        self.proxy = FaultProxy(upstream, host=host, port=port)
+                 port: int = 0, link: LinkSpec | None = None, timeout_s: float = 10.0) -> None:
+        self.proxy = FaultProxy(upstream, host=host, port=port, link=link)
         self.timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -490,6 +584,9 @@ class ThreadedProxy:
 
     def reset_connections(self) -> None:
         self._apply(self.proxy.reset_connections)
+
+    def restore_link(self) -> None:
+        self._apply(self.proxy.restore_link)
 
     def describe(self) -> dict[str, Any]:
         return self._apply(self.proxy.describe)
@@ -552,20 +649,22 @@ def _command(proxy: FaultProxy, line: str) -> dict[str, Any]:
                 proxy.heal()
             case ["reset"]:
                 proxy.reset_connections()
+            case ["restore"]:
+                proxy.restore_link()
             case ["describe"]:
                 pass
             case _:
                 return {"error": f"unknown command {line.strip()!r}; commands: latency MS, "
                                  f"bandwidth BYTES_PER_S (0: no cap), partition, heal, reset, "
-                                 f"describe"}
+                                 f"restore (the link it started with), describe"}
     except ValueError as exc:
         return {"error": str(exc)}
     return proxy.describe()
 
 
-async def _serve(listen: str, upstream: str, control_listen: str) -> None:
+async def _serve(listen: str, upstream: str, control_listen: str, link: LinkSpec) -> None:
     host, port = parse_address(listen)
-    proxy = FaultProxy(upstream, host=host, port=port)
+    proxy = FaultProxy(upstream, host=host, port=port, link=link)
     await proxy.start()
 
     async def on_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -577,8 +676,9 @@ async def _serve(listen: str, upstream: str, control_listen: str) -> None:
 
     control_host, control_port = parse_address(control_listen)
     server = await asyncio.start_server(on_control, control_host, control_port)
-    print(f"proxy listening on {proxy.address}, forwarding to {upstream}; control on "
-          f"{control_listen}", flush=True)
+    print(f"proxy listening on {proxy.address}, forwarding to {upstream} over a link of "
+          f"{link.latency_ms:g} ms one way and {link.bandwidth_bytes_s or 'unlimited'} "
+          f"bytes/s; control on {control_listen}", flush=True)
     async with server:
         await server.serve_forever()
 
@@ -606,11 +706,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--upstream", required=True, help="HOST:PORT to forward them to")
     parser.add_argument("--control", required=True,
                         help="HOST:PORT of the control port: one command a line (latency MS, "
-                             "bandwidth BYTES_PER_S, partition, heal, reset, describe), "
-                             "each answered with the proxy's state as one JSON line")
+                             "bandwidth BYTES_PER_S, partition, heal, reset, restore, "
+                             "describe), each answered with the proxy's state as one JSON line")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="the link's one-way latency, each direction (default 0)")
+    parser.add_argument("--bandwidth-bytes-s", type=float, default=0.0,
+                        help="the link's bandwidth cap, each direction, all connections "
+                             "together (default 0: no cap); 1 Gbit/s is 125000000")
     args = parser.parse_args(argv)
+    try:
+        link = LinkSpec(latency_ms=args.latency_ms, bandwidth_bytes_s=args.bandwidth_bytes_s)
+        for address in (args.listen, args.upstream, args.control):
+            parse_address(address)
+    except ValueError as exc:
+        parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args.listen, args.upstream, args.control))
+        asyncio.run(_serve(args.listen, args.upstream, args.control, link))
 
 
 if __name__ == "__main__":

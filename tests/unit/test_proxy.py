@@ -1,21 +1,34 @@
 """The fault-injecting TCP proxy against a real echo server on 127.0.0.1:
 forwarding, latency, bandwidth, partition/heal, reset, stop, and the
-threaded wrapper the chaos harness uses."""
+threaded wrapper the chaos harness uses; the pure parts of its wide-area link
+(the delay line and the token bucket) on a clock the tests drive; the link
+measured through real sockets; and `python -m chaos.proxy` with its flags."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from chaos.proxy import FaultProxy, ThreadedProxy, parse_address
+from chaos.proxy import (
+    DelayLine,
+    FaultProxy,
+    LinkSpec,
+    ThreadedProxy,
+    TokenBucket,
+    control,
+    parse_address,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,9 +64,9 @@ async def echo_server() -> AsyncIterator[int]:
 
 
 @contextlib.asynccontextmanager
-async def proxied_echo() -> AsyncIterator[FaultProxy]:
+async def proxied_echo(link: LinkSpec | None = None) -> AsyncIterator[FaultProxy]:
     async with echo_server() as port:
-        proxy = FaultProxy(("127.0.0.1", port))
+        proxy = FaultProxy(("127.0.0.1", port), link=link)
         await proxy.start()
         try:
             yield proxy
@@ -326,3 +339,169 @@ def test_threaded_proxy_serves_synchronous_callers() -> None:
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     proxy.stop()  # a second stop is harmless
+
+
+# -- the wide-area link: pure parts on a driven clock ---------------------------------------
+
+def test_link_spec_refuses_bad_values_naming_them() -> None:
+    assert LinkSpec().bandwidth is None
+    assert LinkSpec(25, 125e6).bandwidth == 125e6
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="latency_ms must be >= 0 and finite"):
+            LinkSpec(latency_ms=bad)
+        with pytest.raises(ValueError, match="bandwidth_bytes_s must be >= 0 and finite"):
+            LinkSpec(bandwidth_bytes_s=bad)
+
+
+def test_faults_refuse_bad_values_and_change_nothing() -> None:
+    proxy = FaultProxy("127.0.0.1:1", link=LinkSpec(10, 1e6))
+    calls: list[Callable[[], None]] = [
+        lambda: proxy.set_latency(-5), lambda: proxy.set_latency(math.nan),
+        lambda: proxy.set_bandwidth(-1), lambda: proxy.set_bandwidth(math.inf)]
+    for call in calls:
+        with pytest.raises(ValueError, match="must be >= 0 and finite"):
+            call()
+    described = proxy.describe()
+    assert described["latency_ms"] == 10 and described["bandwidth_bytes_per_s"] == 1e6
+
+
+def test_delay_line_overlaps_the_delays_of_pieces_in_flight() -> None:
+    line: DelayLine[int] = DelayLine(limit_bytes=1 << 20)
+    # A hundred pieces read 1 ms apart on a 50 ms link: each is due 50 ms after
+    # it was read, not 50 ms after the one before it was delivered.
+    for i in range(100):
+        assert line.put(i, 1000, now=i / 1000, latency_s=0.05) == pytest.approx(0.05 + i / 1000)
+    assert line.held_bytes == 100_000 and len(line) == 100
+    head = line.peek()
+    assert head is not None and head[1] == 0 and head[0] == pytest.approx(0.05)
+    delivered = [line.pop() for _ in range(100)]
+    assert [item for _, item in delivered] == list(range(100))
+    assert delivered[-1][0] == pytest.approx(0.149)  # all of it in 0.15 s, not 5 s
+    assert line.held_bytes == 0 and line.peek() is None
+
+
+def test_delay_line_keeps_order_when_the_latency_drops_and_reports_full() -> None:
+    line: DelayLine[str] = DelayLine(limit_bytes=3000)
+    line.put("slow", 1000, now=0.0, latency_s=0.2)
+    # Lowered mid-stream: the next piece may not overtake the one ahead of it.
+    assert line.put("fast", 1000, now=0.01, latency_s=0.0) == pytest.approx(0.2)
+    assert not line.full
+    line.put("third", 1000, now=0.3, latency_s=0.0)
+    assert line.full
+    assert line.pop() == (pytest.approx(0.2), "slow")
+    assert not line.full
+
+
+def test_token_bucket_paces_takers_at_the_rate_in_aggregate() -> None:
+    bucket = TokenBucket(100_000, now=0.0)
+    burst = bucket.burst
+    assert burst == max(4096, 100_000 * 0.02)
+    assert bucket.take(int(burst), now=0.0) == 0.0  # the burst goes at once
+    # Then two takers at the same instant each wait for the debt they see: in turn.
+    assert bucket.take(10_000, now=0.0) == pytest.approx(0.1)
+    assert bucket.take(10_000, now=0.0) == pytest.approx(0.2)
+    # Once the debt is paid by the clock, pacing goes on at the rate: 1 MB takes
+    # 10 s of the clock, whatever the slice size.
+    now, sent = 0.2, 0
+    while sent < 1_000_000:
+        now += bucket.take(5000, now)
+        sent += 5000
+    assert now == pytest.approx(0.2 + 1_000_000 / 100_000, rel=0.01)
+    # Idle time refills no more than the burst.
+    assert bucket.take(int(burst), now=now + 60) == 0.0
+    assert bucket.take(10_000, now=now + 60) == pytest.approx(0.1)
+
+
+def test_token_bucket_without_a_cap_never_waits() -> None:
+    bucket = TokenBucket(None)
+    assert bucket.rate is None and bucket.burst == 0
+    assert bucket.take(1 << 30, now=0.0) == 0.0
+    bucket.set_rate(1000, now=5.0)
+    assert bucket.take(int(bucket.burst) + 1000, now=5.0) == pytest.approx(1.0)
+    bucket.set_rate(0, now=6.0)
+    assert bucket.take(1 << 30, now=6.0) == 0.0
+
+
+# -- the wide-area link measured through real sockets --------------------------------------
+
+def test_a_configured_link_delays_and_caps_both_directions_without_serialising() -> None:
+    latency_ms, rate = 40.0, 2_000_000.0
+    payload = random.Random(2).randbytes(600_000)
+
+    async def scenario() -> None:
+        async with proxied_echo(LinkSpec(latency_ms, rate)) as proxy:
+            assert proxy.describe()["link"] == {"latency_ms": latency_ms,
+                                                "bandwidth_bytes_s": rate}
+            reader, writer = await connect(proxy)
+            # A small message crosses the link twice: at least a round trip.
+            assert await round_trip(reader, writer) >= 2 * latency_ms / 1000
+            # A transfer echoed back: each direction at most the cap (the whole
+            # echo can be no faster than the bytes at the cap, plus a round
+            # trip), give or take one burst of the bucket.
+            elapsed = await round_trip(reader, writer, payload)
+            burst = max(4096, rate * 0.02)
+            assert (len(payload) - burst) / elapsed <= rate * 1.1, elapsed
+            assert elapsed >= 2 * latency_ms / 1000
+            proxy.set_latency(0)
+            proxy.set_bandwidth(None)
+            proxy.restore_link()
+            assert proxy.describe()["latency_ms"] == latency_ms
+            assert proxy.describe()["bandwidth_bytes_per_s"] == rate
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_latency_does_not_cost_throughput() -> None:
+    # 8 MiB in 64 KiB reads on a 50 ms link: were the pieces serialised behind
+    # each other's delay, this would take 128 x 50 ms = 6.4 s each way.
+    payload = random.Random(3).randbytes(8 << 20)
+
+    async def scenario() -> None:
+        async with proxied_echo(LinkSpec(latency_ms=50)) as proxy:
+            reader, writer = await connect(proxy)
+
+            async def send() -> None:
+                writer.write(payload)
+                await writer.drain()
+
+            started = time.monotonic()
+            sending = asyncio.create_task(send())
+            echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 20.0)
+            elapsed = time.monotonic() - started
+            await sending
+            assert echoed == payload
+            assert 0.1 <= elapsed < 3.0, elapsed
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_proxy_process_takes_its_link_from_flags_and_refuses_bad_ones() -> None:
+    base = [sys.executable, "-m", "chaos.proxy", "--listen", "127.0.0.1:0",
+            "--upstream", "127.0.0.1:1", "--control"]
+    for flags, named in ((["--latency-ms", "-3"], "latency_ms must be >= 0"),
+                         (["--bandwidth-bytes-s", "nan"], "bandwidth_bytes_s must be >= 0"),
+                         (["--latency-ms", "fast"], "invalid float value")):
+        refused = subprocess.run([*base, "127.0.0.1:0", *flags], capture_output=True,
+                                 text=True, timeout=30)
+        assert refused.returncode == 2 and named in refused.stderr, refused.stderr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        control_address = f"127.0.0.1:{probe.getsockname()[1]}"
+    process = subprocess.Popen([*base, control_address, "--latency-ms", "25",
+                                "--bandwidth-bytes-s", "125000000"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert "25 ms one way and 125000000.0 bytes/s" in process.stdout.readline()
+        answer = control(control_address, "describe")
+        assert answer["link"] == {"latency_ms": 25.0, "bandwidth_bytes_s": 125e6}
+        assert answer["latency_ms"] == 25 and answer["bandwidth_bytes_per_s"] == 125e6
+        control(control_address, "latency 0")
+        with pytest.raises(RuntimeError, match="latency_ms must be >= 0"):
+            control(control_address, "latency -1")
+        assert control(control_address, "restore")["latency_ms"] == 25
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
