@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from protos.events import problems
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,9 @@ def test_quickstart_experiment_passes_its_checks_and_writes_the_report(tmp_path:
     assert all(check["passed"] for check in summary["checks"])
     for name in ("report.md", "loss.png", "versions.png", "goodput.png", "events.jsonl"):
         assert (out / name).stat().st_size > 0, name
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    wrong = [(event, problem) for event in events for problem in problems(event)]
+    assert not wrong, f"{len(wrong)} events do not match protos/events.py: {wrong[:5]}"
     report = (out / "report.md").read_text()
     assert "kill_learner" in report and "straggle" in report and "adversary" in report
 

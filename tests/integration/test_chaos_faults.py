@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from protos.events import problems
+
 EXPERIMENT = """\
 name = "fault-{kind}"
 seed = 2
@@ -95,6 +97,8 @@ def run(tmp_path: Path, name: str, text: str,
                              "--quiet"], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    wrong = [(event, problem) for event in events for problem in problems(event)]
+    assert not wrong, f"{len(wrong)} events do not match protos/events.py: {wrong[:5]}"
     summary = json.loads((out / "summary.json").read_text())
     return events, summary
 
