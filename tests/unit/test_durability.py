@@ -8,6 +8,8 @@ plausible record, nor crash the start-up with an unrelated exception.
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateErr
 
 MAGIC_LEN = 8
 LEN_FIELD = 8
+CHECKSUM_FIELD = 8  # xxh3-64
 
 
 def record(fragment: int = 0, version: int = 1, numel: int = 1000, seed: int = 0,
@@ -26,7 +29,7 @@ def record(fragment: int = 0, version: int = 1, numel: int = 1000, seed: int = 0
     # Random bit patterns exercise every float, NaN payloads and subnormals included.
     momentum = rng.integers(0, 2**32, numel, dtype=np.uint32).view(np.float32)
     if numel >= 4:
-        params[:4] = [-0.0, np.inf, -np.inf, np.float32(1e-45)]
+        params[:4] = np.array([-0.0, np.inf, -np.inf, 1e-45], np.float32)
     return FragmentRecord(
         fragment=fragment, version=version, params=params, momentum=momentum,
         watermarks={"learner-a": 3, "learner-b": 17},
@@ -52,8 +55,9 @@ def assert_same(loaded: FragmentRecord | None, saved: FragmentRecord) -> None:
 
 def header_span(blob: bytes) -> tuple[int, int]:
     """Start and end offsets of the JSON header of a fragment file."""
-    start = MAGIC_LEN + LEN_FIELD
-    return start, start + int.from_bytes(blob[MAGIC_LEN:start], "little")
+    start = MAGIC_LEN + LEN_FIELD + CHECKSUM_FIELD
+    length = int.from_bytes(blob[MAGIC_LEN:MAGIC_LEN + LEN_FIELD], "little")
+    return start, start + length
 
 
 @pytest.fixture(params=[True, False], ids=["fsync", "no-fsync"])
@@ -238,11 +242,37 @@ def test_trailing_bytes_raise_state_error(plain: StateDir) -> None:
         plain.load_fragment(0)
 
 
-@pytest.mark.parametrize("magic", [b"FTSYNCF2", b"\0" * 8, b"ftsyncf1"])
+@pytest.mark.parametrize("magic", [b"FTSYNCF3", b"\0" * 8, b"ftsyncf1"])
 def test_bad_magic_raises_state_error(plain: StateDir, magic: bytes) -> None:
     path, blob = saved_blob(plain)
     path.write_bytes(magic + blob[MAGIC_LEN:])
     with pytest.raises(StateError, match="not an ftsync fragment"):
+        plain.load_fragment(0)
+
+
+def first_format_blob(saved: FragmentRecord) -> bytes:
+    """A fragment file as written before xxh3: magic FTSYNCF1, then the header's length
+    and a CRC-32 of header and payload."""
+    header = json.dumps({
+        "fragment": saved.fragment, "version": saved.version, "numel": saved.params.size,
+        "watermarks": saved.watermarks, "manifest": saved.manifest, "epoch": saved.epoch,
+        "commit_id": saved.commit_id}).encode()
+    payload = saved.params.astype("<f4").tobytes() + saved.momentum.astype("<f4").tobytes()
+    return (b"FTSYNCF1" + struct.pack("<QI", len(header), zlib.crc32(header + payload))
+            + header + payload)
+
+
+def test_a_file_of_the_crc32_format_still_loads(plain: StateDir) -> None:
+    saved = record()
+    plain.fragment_path(0).write_bytes(first_format_blob(saved))
+    assert_same(plain.load_fragment(0), saved)
+
+
+def test_a_damaged_file_of_the_crc32_format_fails_its_checksum(plain: StateDir) -> None:
+    damaged = bytearray(first_format_blob(record()))
+    damaged[-1] ^= 0x01
+    plain.fragment_path(0).write_bytes(bytes(damaged))
+    with pytest.raises(StateError, match="checksum"):
         plain.load_fragment(0)
 
 
