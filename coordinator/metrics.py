@@ -120,6 +120,10 @@ class Metrics:
                         "cancelled it, died or moved to another replica, the daemon "
                         "stopped, gRPC refused a message over its size limit, or the "
                         "stream sent nothing for limits.push_idle_s")
+        self.push_streams = meter.create_up_down_counter(
+            "ftsync_push_streams_open",
+            description="push calls being served now: pushes in flight, and stuck ones "
+                        "that limits.push_idle_s will cut")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

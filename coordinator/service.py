@@ -138,7 +138,11 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         with _TRACER.start_as_current_span(
                 "ftsync.admit", context=telemetry.extract(context.invocation_metadata()),
                 kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False):
-            return await self._push_fragment(request_iterator, context)
+            self.engine.metrics.push_streams.add(1)
+            try:
+                return await self._push_fragment(request_iterator, context)
+            finally:
+                self.engine.metrics.push_streams.add(-1)
 
     async def _push_fragment(self, request_iterator: AsyncIterator[pb.PushMessage],
                              context: Context) -> pb.PushResponse:

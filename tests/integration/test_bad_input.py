@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import socket
 import threading
-import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -261,6 +260,20 @@ def free_port() -> int:
         return port
 
 
+def metrics_text(port: int) -> str:
+    """The daemon's Prometheus page (`--prometheus-listen`)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def push_streams_open(port: int) -> float:
+    """The push calls the daemon's handler has taken up and not finished: what a test
+    waits for before cancelling a call it means the daemon to see."""
+    (line,) = [line for line in metrics_text(port).splitlines()
+               if line.startswith("ftsync_push_streams_open")] or ["none 0"]
+    return float(line.rsplit(" ", 1)[1])
+
+
 # -- membership and authentication ---------------------------------------------
 
 UNKNOWN_LEARNER_CALLS: dict[str, Callable[[Daemon], object]] = {
@@ -345,15 +358,17 @@ def test_a_header_less_push_cut_off_without_a_token_is_no_learners_cut(
         start_daemon: StartDaemon, tmp_path: Path) -> None:
     """Cancelled before sending anything, by a caller holding no learner's token:
     refused as unauthenticated, not waited out and counted as a push cut short."""
-    log = tmp_path / "events.jsonl"
-    daemon = start_daemon(*FAST, *TOKENS, "--event-log", str(log))
+    log, port = tmp_path / "events.jsonl", free_port()
+    daemon = start_daemon(*FAST, *TOKENS, "--event-log", str(log),
+                          "--prometheus-listen", str(port))
     before = rejections(daemon)
     cancelled = threading.Event()
     channel, synchronizer = stub(daemon)
     with channel:
         call = synchronizer.PushFragment.future(silent_until(cancelled),
                                                 metadata=bearer("nobody's"))
-        time.sleep(0.3)  # the daemon's handler takes the call up
+        wait_until(lambda: push_streams_open(port) == 1, timeout=10,
+                   message="the daemon's handler taking the call up")
         call.cancel()
     cancelled.set()
     wait_until(lambda: rejections(daemon)["unauthenticated"] == before["unauthenticated"] + 1,
@@ -750,8 +765,8 @@ def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
     and a message over gRPC's own size limit (which gRPC refuses before the daemon
     reads it), all end the push stream early, like a push that sent too little;
     none is the learner's malformed push, so none counts as a rejection."""
-    log = tmp_path / "events.jsonl"
-    daemon = started(start_daemon, "--event-log", str(log))
+    log, port = tmp_path / "events.jsonl", free_port()
+    daemon = started(start_daemon, "--event-log", str(log), "--prometheus-listen", str(port))
     before, counts = state(daemon), rejections(daemon)
     sent, cancelled = threading.Event(), threading.Event()
 
@@ -768,7 +783,8 @@ def test_a_push_cut_short_is_counted_as_cut_not_as_a_bad_shape(
         call = synchronizer.PushFragment.future(cut_off())
         assert sent.wait(RPC_TIMEOUT)
         headless = synchronizer.PushFragment.future(silent_until(cancelled))
-        time.sleep(0.3)  # the daemon's handlers take both calls up
+        wait_until(lambda: push_streams_open(port) == 2, timeout=10,
+                   message="the daemon's handlers taking both calls up")
         assert not call.done() and not headless.done()  # each waits for the rest
         call.cancel()
         headless.cancel()
@@ -816,8 +832,7 @@ def test_rejections_reach_prometheus_with_their_reason(start_daemon: StartDaemon
     bad[0] = np.nan
     expect_rejected(daemon, partial(push, daemon, bad), INVALID_ARGUMENT, Reason.NOT_FINITE,
                     "element 0")
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(port)
     samples = [line for line in text.splitlines()
                if line.startswith("ftsync_rejections") and 'reason="not_finite"' in line]
     assert samples, f"no ftsync_rejections sample with reason not_finite in:\n{text}"
@@ -831,8 +846,7 @@ def test_time_histograms_have_buckets_that_fit_what_they_measure(
     port = free_port()
     daemon = started(start_daemon, "--prometheus-listen", str(port))  # on 127.0.0.1
     contribute_and_commit(daemon, seq=2)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(port)
 
     def bucket(metric: str, le: str) -> float:
         lines = [line for line in text.splitlines()
