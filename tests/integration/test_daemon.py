@@ -198,7 +198,10 @@ def test_long_poll_answers_not_modified_then_a_newer_version(
         assert await a.pull(1, have_version=0, wait_s=0.5) is None
         assert time.monotonic() - started >= 0.45
         waiting = asyncio.create_task(a.pull(1, have_version=0, wait_s=20.0))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0)  # the waiting poll goes out first
+        # A later poll waited its 0.2 s out on the daemon and answered "not modified":
+        # that window passed with the first one still waiting.
+        assert await a.pull(1, have_version=0, wait_s=0.2) is None
         assert not waiting.done()
         await contribute(a, fragment=1)
         pulled = await asyncio.wait_for(waiting, 10)

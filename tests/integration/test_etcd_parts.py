@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import Callable
 
 from chaos.etcd import EtcdCluster
@@ -20,6 +21,22 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def key_reads(etcd: EtcdCluster) -> int:
+    """Reads (Range calls) etcd has served: the sign that a poller looked again."""
+    with urllib.request.urlopen(f"{etcd.members[0].client_url}/metrics", timeout=5) as page:
+        lines = page.read().decode().splitlines()
+    (line,) = [line for line in lines if line.startswith("etcd_mvcc_range_total ")]
+    return int(float(line.split()[1]))
+
+
+async def reads_past(etcd: EtcdCluster, count: int) -> None:
+    """Wait until etcd has served more than `count` reads."""
+    deadline = time.monotonic() + 10.0
+    while await asyncio.to_thread(key_reads, etcd) <= count:
+        assert time.monotonic() < deadline, f"etcd served no read past {count}"
         await asyncio.sleep(0.02)
 
 
@@ -126,11 +143,13 @@ def test_a_learner_looking_past_a_failed_leader_waits_out_the_election_gap(
         client = Etcd(etcd.endpoints)
         key = discovery.leader_key("t")
         await client.put(key, LeaderRecord("a", "127.0.0.1:1", 0).encode())
+        reads = key_reads(etcd)
         looking = asyncio.create_task(
             _leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1", wait_s=5.0))
-        await asyncio.sleep(0.3)
+        await reads_past(etcd, reads + 1)  # it read the failed leader, and again
         await client.delete(key)
-        await asyncio.sleep(0.5)
+        reads = key_reads(etcd)
+        await reads_past(etcd, reads + 1)  # it read the gap, and again
         assert not looking.done()
         await client.put(key, LeaderRecord("b", "127.0.0.1:2", 0).encode())
         assert await asyncio.wait_for(looking, 3.0) == "127.0.0.1:2"

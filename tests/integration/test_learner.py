@@ -109,7 +109,9 @@ def test_a_push_whose_round_is_slow_to_close_falls_back_to_the_newest_version(
             train_step(model, opt)
             assert learner.step(tokens=32) == [], step
             if step == 5:
-                time.sleep(0.3)  # the round for v2 stays open: nothing to wait for
+                # Its push is in the round for v2, which stays open: still no pull.
+                wait_until(lambda: "alone" in daemon.status().fragments[0].round_learners,
+                           message="the push in the round for v2")
                 assert not pull_arrived(learner, 0)
         wait_until(lambda: pull_arrived(learner, 0), message="the fall-back pull")
         train_step(model, opt)
