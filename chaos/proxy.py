@@ -57,7 +57,7 @@ _CAPPED_IN_FLIGHT_MIN = 256 << 10
 _WRITE_HIGH_WATER = 4 << 20
 # Under a bandwidth cap, pieces go out in slices of this many seconds' worth,
 # so a low cap paces smoothly instead of in 64 KiB bursts; also the burst.
-_PACING_S = 0.02
+_PACING_S = 0.005
 _MIN_SLICE = 4 << 10
 
 
@@ -676,9 +676,10 @@ async def _serve(listen: str, upstream: str, control_listen: str, link: LinkSpec
 
     control_host, control_port = parse_address(control_listen)
     server = await asyncio.start_server(on_control, control_host, control_port)
+    control_port = server.sockets[0].getsockname()[1]  # the ephemeral one for port 0
     print(f"proxy listening on {proxy.address}, forwarding to {upstream} over a link of "
           f"{link.latency_ms:g} ms one way and {link.bandwidth_bytes_s or 'unlimited'} "
-          f"bytes/s; control on {control_listen}", flush=True)
+          f"bytes/s; control on {control_host}:{control_port}", flush=True)
     async with server:
         await server.serve_forever()
 

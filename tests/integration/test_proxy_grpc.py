@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from chaos.proxy import ThreadedProxy
+from chaos.proxy import LinkSpec, ThreadedProxy, TokenBucket
 from learner.client import Retry, SynchronizerClient
 from tests.daemon import Daemon
 
@@ -73,3 +73,45 @@ def test_learner_through_the_proxy_survives_latency_resets_and_partitions(
 
         asyncio.run(scenario())
         assert proxy.describe()["connections_reset"] >= 2
+
+
+def test_a_push_and_pull_over_a_wide_area_link_cost_at_least_its_bytes_and_round_trips(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """The learner behind a proxy made a long thin link from the start: a push and
+    the pull of its merge take at least the bytes at the link's rate plus their
+    round trips, and the proxy carried no faster than the cap (give or take one
+    burst of its bucket)."""
+    daemon = start_daemon("--set", "fsync=false")
+    numels = [250_000, 250_000]  # 1 MB of fp32 each way
+    latency_ms, rate = 30.0, 4_000_000.0
+    with ThreadedProxy(daemon.address, link=LinkSpec(latency_ms, rate)) as proxy:
+
+        async def scenario() -> None:
+            client = SynchronizerClient(proxy.address, "wan", "layout-wan", numels,
+                                        codec="int8")
+            await client.join()
+            for p, n in enumerate(numels):
+                assert await client.push_initial(p, np.ones(n, dtype=np.float32))
+            before = proxy.describe()
+            started = time.monotonic()
+            targets = await asyncio.gather(*(
+                client.push(p, np.full(n, 0.1, dtype=np.float32), base_version=0,
+                            c_tokens=100, c_steps=10, local_step=10)
+                for p, n in enumerate(numels)))
+            pushed = time.monotonic()
+            pulls = await asyncio.gather(*(client.pull(p, 0, 10.0) for p in range(2)))
+            elapsed = time.monotonic() - started
+            assert targets == [1, 1] and all(p is not None and p.version == 1 for p in pulls)
+            after = proxy.describe()
+            up = after["bytes_up"] - before["bytes_up"]
+            down = after["bytes_down"] - before["bytes_down"]
+            # int8 pushes a byte a parameter; pulls come back as fp32.
+            assert sum(numels) <= up < 1.1 * sum(numels) and down >= 4 * sum(numels)
+            rtt = 2 * latency_ms / 1000
+            burst = TokenBucket(rate).burst
+            assert pushed - started >= (up - burst) / rate + rtt
+            assert elapsed >= (up - burst) / rate + (down - burst) / rate + 2 * rtt
+            assert (down - burst) / (elapsed - (pushed - started)) <= 1.1 * rate
+            await client.close()
+
+        asyncio.run(scenario())

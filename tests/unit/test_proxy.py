@@ -395,7 +395,7 @@ def test_delay_line_keeps_order_when_the_latency_drops_and_reports_full() -> Non
 def test_token_bucket_paces_takers_at_the_rate_in_aggregate() -> None:
     bucket = TokenBucket(100_000, now=0.0)
     burst = bucket.burst
-    assert burst == max(4096, 100_000 * 0.02)
+    assert burst == max(4096, 100_000 * 0.005)
     assert bucket.take(int(burst), now=0.0) == 0.0  # the burst goes at once
     # Then two takers at the same instant each wait for the debt they see: in turn.
     assert bucket.take(10_000, now=0.0) == pytest.approx(0.1)
@@ -439,7 +439,7 @@ def test_a_configured_link_delays_and_caps_both_directions_without_serialising()
             # echo can be no faster than the bytes at the cap, plus a round
             # trip), give or take one burst of the bucket.
             elapsed = await round_trip(reader, writer, payload)
-            burst = max(4096, rate * 0.02)
+            burst = TokenBucket(rate).burst
             assert (len(payload) - burst) / elapsed <= rate * 1.1, elapsed
             assert elapsed >= 2 * latency_ms / 1000
             proxy.set_latency(0)

@@ -1,0 +1,251 @@
+"""Wide-area benchmark: push + pull of a whole model through the real daemon over an
+emulated long link, against the link-rate bound, for fp32 and each codec.
+
+A real `python -m coordinator` process (`fsync=false`: the network path, not the disk) and
+a real learner client (`learner.client.SynchronizerClient`, whatever transport it picks)
+talk through the fault proxy run as a process of its own (`python -m chaos.proxy`) set to
+a link of `--latency-ms` one way (default 25) and `--bandwidth-mbit` in each direction
+(default 1000: 1 Gbit/s). The proxy forwards any TCP, so gRPC and a bulk channel alike
+cross the link when they go through its port.
+
+One exchange is what a learner does with each fragment: push an outer gradient, and once
+every push is acknowledged, pull the merged version back. All fragments are pushed at once
+and pulled at once (one round trip each way for all of them), the merge and outer step
+inside the timed window. The link-rate bound of an exchange is what the link alone costs:
+`bytes_up / bandwidth + bytes_down / bandwidth + 2 round trips` (the push and its ack, the
+pull and its answer), with the tensor bytes the codec puts in its chunks (framing is ours
+to pay). **ratio** = fp32 bound / fp32 exchange time (target ≥ 0.85). **int8_speedup** and
+**e3m0_speedup** = fp32 exchange time / that codec's (targets ≥ 3 and ≥ 5): pushes travel
+in the codec; pulls travel in it too where the client can ask for compressed pulls, and as
+fp32 otherwise (`pull_compressed` says which), which bounds the speedup at 8/5 for int8.
+Codecs alternate exchange by exchange and the best of each counts.
+
+Run from the repository root: `python -m bench.wan [--params N] [--fragments P]`.
+Progress goes to stderr; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.transfer import (
+    CODEC_NAMES,
+    MB,
+    Floats,
+    base_parser,
+    emit,
+    fragment_sizes,
+    log,
+    make_model,
+    split,
+)
+from chaos.local import CoordinatorProcess
+from chaos.proxy import LinkSpec, control
+from learner.client import Retry, SynchronizerClient
+from protos import ftsync_pb2 as pb
+from protos.codec import codec_named, iter_chunk_messages
+
+LAYOUT_HASH = "bench-wan-layout"
+PULL_WAIT_S = 120.0
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+@dataclass
+class ProxyProcess:
+    """`python -m chaos.proxy` in a process of its own, set to `link` from the start."""
+
+    upstream: str
+    link: LinkSpec
+    process: subprocess.Popen[str] | None = None
+    address: str = ""
+    control: str = ""
+
+    def start(self) -> ProxyProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "chaos.proxy", "--listen", "127.0.0.1:0",
+             "--upstream", self.upstream, "--control", "127.0.0.1:0",
+             "--latency-ms", str(self.link.latency_ms),
+             "--bandwidth-bytes-s", str(self.link.bandwidth_bytes_s)],
+            stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        match = re.search(r"listening on (\S+),.* control on (\S+)$", line.strip())
+        if match is None:
+            raise RuntimeError(f"the proxy did not start: {line!r} (exit {self.process.poll()})")
+        self.address, self.control = match.group(1), match.group(2)
+        return self
+
+    def counted(self) -> tuple[int, int]:
+        """Bytes it has forwarded so far, up (learner → daemon) and down."""
+        state = control(self.control, "describe")
+        return int(state["bytes_up"]), int(state["bytes_down"])
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+def payload_bytes(values: list[Floats], codec_name: str, chunk_bytes: int) -> int:
+    """The tensor bytes `codec_name` puts in the chunks of these fragments."""
+    codec = codec_named(codec_name)
+    return sum(len(message.chunk.data) for part in values
+               for message in iter_chunk_messages(part, codec, pb.PushMessage, chunk_bytes))
+
+
+async def exchange(client: SynchronizerClient, deltas: list[Floats], version: int,
+                   proxy: ProxyProcess) -> dict[str, Any]:
+    """Push every fragment's outer gradient against `version`, then pull `version + 1`."""
+    up0, down0 = proxy.counted()
+    started = time.perf_counter()
+    targets = await asyncio.gather(*(
+        client.push(p, delta, base_version=version, c_tokens=4096, c_steps=16,
+                    local_step=version + 1) for p, delta in enumerate(deltas)))
+    acked = time.perf_counter()
+    if any(target != version + 1 for target in targets):
+        raise RuntimeError(f"pushes against version {version} joined rounds {targets}")
+    pulls = await asyncio.gather(*(client.pull(p, version, PULL_WAIT_S)
+                                   for p in range(len(deltas))))
+    done = time.perf_counter()
+    if any(pulled is None or pulled.version != version + 1 for pulled in pulls):
+        raise RuntimeError(f"pulls past version {version} got "
+                           f"{[None if p is None else p.version for p in pulls]}")
+    up1, down1 = proxy.counted()
+    return {"seconds": done - started, "push_s": acked - started, "pull_s": done - acked,
+            "wire_up": up1 - up0, "wire_down": down1 - down0}
+
+
+async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: Floats,
+                   delta: Floats, chunk_bytes: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
+    client = SynchronizerClient(address, "bench-wan", LAYOUT_HASH, sizes,
+                                retry=Retry(give_up_after_s=120.0))
+    client.chunk_bytes = chunk_bytes
+    try:
+        await client.join()
+        log("warm-up: initial values pushed and pulled back over the link")
+        thetas, deltas = split(theta, sizes), split(delta, sizes)
+        for p, values in enumerate(thetas):
+            await client.push_initial(p, values)
+        for p in range(len(sizes)):
+            pulled = await client.pull(p, -1, PULL_WAIT_S)
+            if pulled is None or not np.array_equal(pulled.values[:4096], thetas[p][:4096]):
+                raise RuntimeError(f"fragment {p}: version 0 pulled back differs from the "
+                                   f"initial value pushed")
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CODEC_NAMES}
+        version = 0
+        for _ in range(rounds):
+            for name in CODEC_NAMES:
+                client.codec = codec_named(name)
+                result = await exchange(client, deltas, version, proxy)
+                version += 1
+                runs[name].append(result)
+                log(f"  {name:>5}: {result['seconds']:.2f} s (push {result['push_s']:.2f} s, "
+                    f"pull {result['pull_s']:.2f} s; {result['wire_up'] / MB:.0f} MB up, "
+                    f"{result['wire_down'] / MB:.0f} MB down on the link)")
+        return runs
+    finally:
+        if client.may_be_member:
+            await client.leave("benchmark done")
+        await client.close()
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = base_parser(__doc__.splitlines()[0] if __doc__ else "wan benchmark")
+    parser.add_argument("--latency-ms", type=float, default=25.0,
+                        help="one-way latency of the link, each direction (default 25)")
+    parser.add_argument("--bandwidth-mbit", type=float, default=1000.0,
+                        help="bandwidth of the link in Mbit/s, each direction (default 1000)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="exchanges per codec; the best counts (default 2)")
+    args = parser.parse_args(argv)
+    try:
+        link = LinkSpec(latency_ms=args.latency_ms,
+                        bandwidth_bytes_s=args.bandwidth_mbit * MBIT)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not link.bandwidth or args.rounds < 1:
+        parser.error("the link needs a bandwidth (--bandwidth-mbit > 0) and --rounds >= 1")
+    sizes = fragment_sizes(args.params, args.fragments)
+    load_before = os.getloadavg()
+    log(f"{args.params:,} fp32 parameters in {args.fragments} fragments "
+        f"({4 * args.params / MB:.0f} MB) over {link.latency_ms:g} ms one way and "
+        f"{args.bandwidth_mbit:g} Mbit/s; load average {load_before[0]:.2f}")
+    theta, delta = make_model(args.params)
+    deltas = split(delta, sizes)
+    payload = {name: payload_bytes(deltas, name, args.chunk_bytes) for name in CODEC_NAMES}
+    # Pulls are fp32: the client cannot ask for them compressed (yet).
+    pulled = payload["fp32"]
+    with tempfile.TemporaryDirectory(prefix="ftsync-bench-wan-") as tmp:
+        daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
+                                    args=["--set", "fsync=false"]).start()
+        proxy = ProxyProcess(daemon.address, link)
+        try:
+            proxy.start()
+            runs = asyncio.run(run_link(proxy.address, proxy, sizes, theta, delta,
+                                        args.chunk_bytes, args.rounds))
+        finally:
+            proxy.stop()
+            daemon.stop()
+    rate = link.bandwidth
+    assert rate is not None
+    round_trips_s = 2 * (2 * link.latency_ms / 1000)
+    codecs: dict[str, Any] = {}
+    best = {name: min(runs[name], key=lambda r: r["seconds"]) for name in CODEC_NAMES}
+    for name in CODEC_NAMES:
+        bound = (payload[name] + pulled) / rate + round_trips_s
+        result = best[name]
+        codecs[name] = {
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
+            "runs_s": [round(r["seconds"], 3) for r in runs[name]],
+            "payload_up": payload[name], "payload_down": pulled,
+            "bound_s": round(bound, 4), "of_bound": bound / result["seconds"],
+            "speedup_vs_fp32": best["fp32"]["seconds"] / result["seconds"],
+            "push_speedup_vs_fp32": best["fp32"]["push_s"] / result["push_s"],
+            "wire_overhead": (result["wire_up"] + result["wire_down"])
+            / (payload[name] + pulled) - 1,
+        }
+    emit({
+        "name": "wan",
+        "ratio": codecs["fp32"]["of_bound"],
+        "target": 0.85,
+        "unit": "fp32 push+pull link-rate bound / measured time",
+        "int8_speedup": codecs["int8"]["speedup_vs_fp32"],
+        "int8_target": 3.0,
+        "e3m0_speedup": codecs["e3m0"]["speedup_vs_fp32"],
+        "e3m0_target": 5.0,
+        "bf16_speedup": codecs["bf16"]["speedup_vs_fp32"],
+        "int8_push_speedup": codecs["int8"]["push_speedup_vs_fp32"],
+        "e3m0_push_speedup": codecs["e3m0"]["push_speedup_vs_fp32"],
+        "pull_compressed": False,
+        "link": {"latency_ms": link.latency_ms, "bandwidth_mbit": args.bandwidth_mbit},
+        "params": args.params,
+        "fragments": args.fragments,
+        "chunk_bytes": args.chunk_bytes,
+        "mb": "1e6 bytes",
+        "codecs": codecs,
+        "cpu": cpu_model(),
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+    })
+
+
+if __name__ == "__main__":
+    main()
