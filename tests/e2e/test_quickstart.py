@@ -10,7 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from protos.events import problems
+
+# Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,9 @@ import pytest
 
 from protos.events import problems
 
+# Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 EXPERIMENT = """\
 name = "fault-{kind}"
 seed = 2

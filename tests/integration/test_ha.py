@@ -39,6 +39,9 @@ from protos.events import EventLog
 from protos.tls import TlsMaterial
 from tests.integration.test_learner import small_model, train_step
 
+# Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 NUMELS = [2000, 1000]
 TTL_S = 3
 REPLICA_TOKEN = "replicas-only"

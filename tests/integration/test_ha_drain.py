@@ -27,6 +27,9 @@ from tests.daemon import wait_until
 from tests.integration import test_ha
 from tests.integration.test_ha import TTL_S, Learners, check_audit, wait_for
 
+# Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
+
 # Two replicas on a one-member etcd, as in test_ha.
 replicas = test_ha.replicas
 

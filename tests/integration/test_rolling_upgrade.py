@@ -12,7 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.integration.test_chaos_faults import EXPERIMENT, run
+
+# Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

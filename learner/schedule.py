@@ -1,0 +1,427 @@
+"""The learner's schedule: a pure state machine of when to push, pull and apply.
+
+Fragment p is due after local step k when `k > t_p` and `(k − t_p) mod H == 0`
+with `t_p = floor(p·H/P)`. A due fragment's outer gradient is pushed; the
+version that merges it is pulled once the push is acknowledged (its target
+version is known) and applied τ steps after the push, or as soon after as it
+has come. When it is still missing τ steps after that, the machine falls back
+to the newest version instead: waiting on would age the base until pushes are
+refused as stale. A version the coordinator reports under another commit
+than the one applied (it lost it and committed the number again) is pulled at
+once; a coordinator whose newest version is older than ours (a rewind) is
+followed. In lock-step the learner waits for each merge instead of falling
+back, and a learner joining mid-run resumes at the step that keeps it in
+phase with the others.
+
+The machine does no I/O and reads no clock: the streaming runtime
+(`learner.streaming.FragmentSync`), the Flower adapter (`learner.flower`) and
+the simulator (`chaos.sim`) feed it events (`step`, `acked`, `refused`,
+`pulled`, `published`) and carry out the actions it returns (`Push`, `Pull`,
+`Apply`, `FallBack`) in order. What an apply keeps of the local steps since
+the push (`ApplyRule`) is decided here too, so all three drivers count the
+same work as kept or lost.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class ApplyRule(enum.Enum):
+    """What applying a merged version does with the steps trained since the push.
+
+    - `overwrite`: θ ← α·θ + (1−α)·Θ_new, τ steps after the push; with α = 0 the
+      local progress since the push is lost.
+    - `carry`: θ ← Θ_new + (θ − θ_push), τ steps after the push: the progress
+      since the push rides on the merged version and into the next push (DiLoCo's
+      eager updates).
+    - `boundary`: applied at the fragment's next due step, right after that
+      step's push, which has already sent the progress since the last push.
+    """
+
+    OVERWRITE = "overwrite"
+    CARRY = "carry"
+    BOUNDARY = "boundary"
+
+
+class Phase(enum.Enum):
+    """Where a fragment's pull stands."""
+
+    IDLE = "idle"            # no pull outstanding
+    ACKING = "acking"        # pushed; its pull starts once the push's target is known
+    OWN = "own"              # pulling the version that holds this learner's push
+    FALLBACK = "fallback"    # the own version was late: pulling the newest instead
+    LOST = "lost"            # the applied version was lost: pulling its replacement
+    READY = "ready"          # a pulled version waits for its apply step
+
+
+class Event(enum.Enum):
+    PUSH = "push"
+    ACKED = "acked"
+    REFUSED = "refused"
+    LATE = "late"
+    LOST = "lost"
+    PULLED = "pulled"
+    EMPTY = "empty"
+    APPLY = "apply"
+
+
+# The whole machine per fragment: (phase, event) -> next phase. A pair that is
+# not here leaves the phase as it is (a push while a pull is outstanding starts
+# no second one; an ack or pull result for a superseded request is ignored).
+TRANSITIONS: Mapping[tuple[Phase, Event], Phase] = {
+    (Phase.IDLE, Event.PUSH): Phase.ACKING,
+    (Phase.IDLE, Event.LOST): Phase.LOST,
+    (Phase.ACKING, Event.ACKED): Phase.OWN,
+    (Phase.ACKING, Event.REFUSED): Phase.OWN,
+    (Phase.ACKING, Event.LATE): Phase.FALLBACK,
+    (Phase.OWN, Event.LATE): Phase.FALLBACK,
+    (Phase.OWN, Event.PULLED): Phase.READY,
+    (Phase.OWN, Event.EMPTY): Phase.IDLE,
+    (Phase.FALLBACK, Event.PULLED): Phase.READY,
+    (Phase.FALLBACK, Event.EMPTY): Phase.IDLE,
+    # This push's own pull brings a version past the one committed again.
+    (Phase.LOST, Event.PUSH): Phase.ACKING,
+    (Phase.LOST, Event.PULLED): Phase.READY,
+    (Phase.LOST, Event.EMPTY): Phase.IDLE,
+    (Phase.READY, Event.APPLY): Phase.IDLE,
+}
+_PULLING = frozenset({Phase.OWN, Phase.FALLBACK, Phase.LOST})
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Send fragment p's outer gradient since the last push (or apply), measured
+    from version `base`; `ticket` names it in the `acked`/`refused` that answer."""
+
+    p: int
+    base: int
+    tokens: int
+    steps: int
+    step: int
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Pull fragment p's first version newer than `newer_than`; answer with `pulled`
+    carrying `ticket` (a newer Pull of the fragment supersedes this one)."""
+
+    p: int
+    newer_than: int
+    ticket: int
+
+
+@dataclass(frozen=True, slots=True)
+class Apply:
+    """Write the pulled version of fragment p: `θ ← α·θ + (1−α)·Θ` or, with `carry`,
+    `θ ← Θ + (θ − θ_push)`; the new base is Θ. Without `carry` the steps since the
+    last push are discarded (the driver restarts its work clock)."""
+
+    p: int
+    version: int
+    alpha: float
+    carry: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FallBack:
+    """Fragment p's own version is late: the pull under way is cancelled (a Pull of
+    the newest version follows)."""
+
+    p: int
+
+
+Action = Push | Pull | Apply | FallBack
+
+
+def offsets(sync_every: int, fragments: int) -> list[int]:
+    """t_p = floor(p·H/P): fragments are due at staggered steps."""
+    return [p * sync_every // fragments for p in range(fragments)]
+
+
+def lockstep_resume_step(versions: Mapping[int, int], sync_every: int) -> int:
+    """The local step a learner joining a lock-step run resumes at.
+
+    In lock-step every learner pushes fragment p for version v at step
+    `t_p + v·H`. A learner that restarted at step 0 would push in another
+    phase than the others, and each side would wait for a round the other
+    has not reached. Resuming at `max_p (t_p + v_p·H)` over the published
+    versions (0 for a fragment at v0) makes its next push of every fragment
+    the one for version `v_p + 1`."""
+    starts = offsets(sync_every, len(versions))
+    return max((starts[p] + v * sync_every if v > 0 else 0 for p, v in versions.items()),
+               default=0)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    sync_every: int
+    fragments: int
+    overlap: int = 1
+    alpha: float = 0.0
+    lockstep: bool = False
+    rule: ApplyRule = ApplyRule.OVERWRITE
+
+    def __post_init__(self) -> None:
+        problems = [
+            ("sync_every", self.sync_every >= 1, f"(H) must be >= 1, got {self.sync_every}"),
+            ("fragments", self.fragments >= 1, f"must be >= 1, got {self.fragments}"),
+            ("overlap", self.overlap >= 1, f"(τ) must be >= 1, got {self.overlap}"),
+            # The fragment would come due again before its merge is applied.
+            ("overlap", self.overlap <= self.sync_every,
+             f"(τ) must be at most sync_every (H): got τ = {self.overlap}, "
+             f"H = {self.sync_every}"),
+            ("alpha", 0.0 <= self.alpha < 1.0, f"must be in [0, 1), got {self.alpha}"),
+            ("rule", self.alpha == 0.0 or self.rule == ApplyRule.OVERWRITE,
+             f"{self.rule.value} applies the merged values whole: alpha must be 0, "
+             f"got {self.alpha}"),
+        ]
+        for key, ok, problem in problems:
+            if not ok:
+                raise ValueError(f"{key} {problem}")
+
+
+class _Fragment:
+    __slots__ = ("apply_at", "base", "commit", "fell_back", "phase", "published",
+                 "ready", "steps", "ticket", "tokens", "want")
+
+    def __init__(self, base: int, commit: int) -> None:
+        self.phase = Phase.IDLE
+        self.base, self.commit = base, commit
+        self.tokens = self.steps = 0
+        self.apply_at = 0
+        # The outstanding push or pull's ticket; answers with another are stale.
+        self.ticket = 0
+        # The pull waits for a version above this.
+        self.want = base
+        self.fell_back = False
+        self.ready: tuple[int, int, bool] | None = None  # version, commit id, rewound
+        self.published = (-1, 0)
+
+
+class Schedule:
+    """One learner's schedule over all its fragments, from `start` on."""
+
+    def __init__(self, config: ScheduleConfig) -> None:
+        self.config = config
+        self.offsets = offsets(config.sync_every, config.fragments)
+        self.step_count = 0
+        self.fragments: list[_Fragment] = []
+        self._tickets = 0
+
+    # -- events ------------------------------------------------------------------------
+
+    def start(self, versions: Mapping[int, int], commits: Mapping[int, int] | None = None,
+              step: int | None = None) -> None:
+        """Caught up at `versions` (every fragment): counting starts here, at
+        `step` (default 0; in lock-step, the step that keeps it in phase)."""
+        if sorted(versions) != list(range(self.config.fragments)):
+            raise ValueError(f"start needs a version for each of the {self.config.fragments} "
+                             f"fragments, got {sorted(versions)}")
+        commits = commits or {}
+        self.fragments = [_Fragment(versions[p], commits.get(p, 0))
+                          for p in range(self.config.fragments)]
+        if step is not None:
+            self.step_count = step
+        elif self.config.lockstep:
+            self.step_count = lockstep_resume_step(versions, self.config.sync_every)
+        else:
+            self.step_count = 0
+
+    def step(self, k: int, tokens: int) -> list[Action]:
+        """Local step k is done (k may skip steps at which, per `next_step`, nothing
+        happens), with `tokens` trained since the previous call."""
+        if not self.fragments:
+            raise RuntimeError("step() before start(): the schedule has no base versions")
+        if k <= self.step_count:
+            raise ValueError(f"step {k} is not after step {self.step_count}")
+        steps = k - self.step_count
+        self.step_count = k
+        config = self.config
+        actions: list[Action] = []
+        for f in self.fragments:
+            f.tokens += tokens
+            f.steps += steps
+        boundary = config.rule == ApplyRule.BOUNDARY
+        for p, f in enumerate(self.fragments):
+            if f.phase == Phase.READY and k >= f.apply_at and not (boundary and self._due(p, k)):
+                self._apply(p, f, actions)
+            elif (f.phase in (Phase.ACKING, Phase.OWN) and not config.lockstep
+                  and not f.fell_back and k >= f.apply_at + config.overlap):
+                self._fall_back(p, f, actions)
+        for p, f in enumerate(self.fragments):
+            if self._due(p, k):
+                ready = f.phase == Phase.READY
+                push = self._push(p, f, k, actions)
+                if boundary and ready:
+                    # Sent first, the progress since the last push is kept.
+                    self._apply(p, f, actions)
+                    self._awaits(f, push, k)
+        # After the pushes: a fragment pushed just now has its own pull under way.
+        if not config.lockstep:
+            for p, f in enumerate(self.fragments):
+                self._check_history(p, f, k, actions)
+        return actions
+
+    def flush(self) -> list[Action]:
+        """Pushes of the work not yet pushed (closing: nothing more is pulled)."""
+        actions: list[Action] = []
+        for p, f in enumerate(self.fragments):
+            if f.steps > 0:
+                actions.append(self._push_action(p, f, self.step_count))
+        return actions
+
+    def acked(self, p: int, target_version: int | None, ticket: int) -> list[Pull]:
+        """The push `ticket` will be merged into `target_version` (None: it was
+        not acknowledged, e.g. dropped from the backlog or unsent)."""
+        f = self._fragment(p)
+        if ticket != f.ticket or f.phase != Phase.ACKING:
+            return []
+        f.phase = TRANSITIONS[(f.phase, Event.ACKED)]
+        # The first version that holds the push: an earlier one (another learner's
+        # round) lacks the progress just pushed. In lock-step, any next version: a
+        # push that missed its round waits for the next one, which needs the
+        # others' next pushes, which wait for this learner.
+        if target_version is not None and not self.config.lockstep:
+            f.want = max(f.base, target_version - 1)
+        return [self._pull(p, f)]
+
+    def refused(self, p: int, reason: str, ticket: int) -> list[Pull]:
+        """The push `ticket` was refused (`reason`): its progress is gone; the
+        learner catches up on the newest version."""
+        f = self._fragment(p)
+        if ticket != f.ticket or f.phase != Phase.ACKING:
+            return []
+        f.phase = TRANSITIONS[(f.phase, Event.REFUSED)]
+        return [self._pull(p, f)]
+
+    def pulled(self, p: int, version: int | None, commit_id: int, ticket: int,
+               rewound: bool = False) -> None:
+        """The pull `ticket` brought `version` (None: none came within its wait,
+        or it failed; the next push pulls again)."""
+        f = self._fragment(p)
+        if ticket != f.ticket or f.phase not in _PULLING:
+            return
+        if version is None:
+            f.phase = TRANSITIONS[(f.phase, Event.EMPTY)]
+            return
+        f.phase = TRANSITIONS[(f.phase, Event.PULLED)]
+        f.ready = (version, commit_id, rewound)
+
+    def published(self, p: int, version: int, commit_id: int) -> None:
+        """The coordinator publishes `version` of p under `commit_id` (heartbeats)."""
+        self._fragment(p).published = (version, commit_id)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def phase(self, p: int) -> Phase:
+        return self._fragment(p).phase
+
+    def version(self, p: int) -> int:
+        """The version fragment p's next push is measured from."""
+        return self._fragment(p).base
+
+    def versions(self) -> dict[int, int]:
+        return {p: f.base for p, f in enumerate(self.fragments)}
+
+    def waits_at(self, k: int) -> list[int]:
+        """Lock-step: the fragments whose pull result `step(k)` needs first (the
+        driver blocks until it has fed them in)."""
+        if not self.config.lockstep:
+            return []
+        return [p for p, f in enumerate(self.fragments)
+                if f.phase in (Phase.ACKING, Phase.OWN) and k >= f.apply_at]
+
+    def next_step(self) -> int:
+        """The first step after the current one at which `step` may act: a due
+        fragment, a ready apply, a fall-back. Drivers that skip steps (the
+        simulator) call `step` there; a pull result can bring it earlier."""
+        k, h = self.step_count, self.config.sync_every
+        due = min(t + h * max(1, (k - t) // h + 1) for t in self.offsets)
+        for f in self.fragments:
+            if f.phase == Phase.READY:
+                due = min(due, max(f.apply_at, k + 1))
+            elif (f.phase in (Phase.ACKING, Phase.OWN) and not self.config.lockstep
+                  and not f.fell_back):
+                due = min(due, max(f.apply_at + self.config.overlap, k + 1))
+        return due
+
+    # -- the rules ---------------------------------------------------------------------
+
+    def _due(self, p: int, k: int) -> bool:
+        t = self.offsets[p]
+        return k > t and (k - t) % self.config.sync_every == 0
+
+    def _fragment(self, p: int) -> _Fragment:
+        if not 0 <= p < len(self.fragments):
+            raise ValueError(f"fragment {p} is not one of the {len(self.fragments)} started")
+        return self.fragments[p]
+
+    def _push_action(self, p: int, f: _Fragment, k: int) -> Push:
+        self._tickets += 1
+        push = Push(p, f.base, f.tokens, f.steps, k, self._tickets)
+        f.tokens = f.steps = 0
+        return push
+
+    def _push(self, p: int, f: _Fragment, k: int, actions: list[Action]) -> Push:
+        push = self._push_action(p, f, k)
+        actions.append(push)
+        self._awaits(f, push, k)
+        return push
+
+    def _awaits(self, f: _Fragment, push: Push, k: int) -> None:
+        """A push starts a pull of the version that merges it, unless one is
+        outstanding."""
+        phase = TRANSITIONS.get((f.phase, Event.PUSH), f.phase)
+        if phase != Phase.ACKING or f.phase == Phase.ACKING:
+            return
+        f.phase = phase
+        f.ticket = push.ticket
+        f.want, f.fell_back = f.base, False
+        gap = (self.config.sync_every if self.config.rule == ApplyRule.BOUNDARY
+               else self.config.overlap)
+        f.apply_at = k + gap
+
+    def _pull(self, p: int, f: _Fragment) -> Pull:
+        self._tickets += 1
+        f.ticket = self._tickets
+        return Pull(p, f.want, f.ticket)
+
+    def _fall_back(self, p: int, f: _Fragment, actions: list[Action]) -> None:
+        f.phase = TRANSITIONS[(f.phase, Event.LATE)]
+        f.fell_back = True
+        f.want = f.base
+        actions.append(FallBack(p))
+        actions.append(self._pull(p, f))
+
+    def _apply(self, p: int, f: _Fragment, actions: list[Action]) -> None:
+        assert f.ready is not None
+        version, commit, rewound = f.ready
+        f.phase = TRANSITIONS[(f.phase, Event.APPLY)]
+        f.ready = None
+        if not (version > f.base or rewound
+                or (version == f.base and commit not in (0, f.commit))):
+            return  # nothing newer than what the fragment holds
+        carry = self.config.rule == ApplyRule.CARRY
+        actions.append(Apply(p, version, self.config.alpha, carry))
+        f.base, f.commit = version, commit
+        if not carry:
+            f.tokens = f.steps = 0
+
+    def _check_history(self, p: int, f: _Fragment, k: int, actions: list[Action]) -> None:
+        """The coordinator reports this fragment's version under another commit: it
+        lost the one applied here (a failover under async replication, a restored
+        state directory) and committed the number again. Take its version now
+        rather than train on from a history that is gone. Not in lock-step: applied
+        just before a due push, it would leave that push empty, and the round that
+        needs it waiting; there every round's pull brings the new history anyway."""
+        version, commit = f.published
+        if (f.phase != Phase.IDLE or version != f.base
+                or 0 in (commit, f.commit) or commit == f.commit):
+            return
+        f.phase = TRANSITIONS[(f.phase, Event.LOST)]
+        f.apply_at, f.fell_back, f.want = k + 1, True, version - 1
+        actions.append(self._pull(p, f))
