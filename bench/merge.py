@@ -52,12 +52,12 @@ from bench.transfer import (
     push_messages,
     split,
 )
+from chaos.local import CoordinatorProcess
 from coordinator.config import CoordinatorConfig, OuterConfig
 from coordinator.engine import Engine
 from coordinator.merge import Accumulator, norm_sq, outer_step
 from protos import ftsync_pb2 as pb
 from protos.codec import decode_chunk_into
-from tests.daemon import Daemon
 
 LEARNER = "bench-learner"
 PUSHERS = (1, 4, 16)
@@ -353,7 +353,7 @@ def measure_memory(sizes: list[int], theta: Floats, delta: Floats, chunk_bytes: 
     model = theta.nbytes
     results: dict[str, Any] = {}
     for pushers in PUSHERS:
-        daemon = Daemon(state_dir=state_root / f"rss{pushers}",
+        daemon = CoordinatorProcess(state_dir=state_root / f"rss{pushers}",
                         args=["--min-quorum", str(pushers), "--set", "fsync=false"]).start()
         try:
             assert daemon.process is not None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -27,6 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
 from chaos.failover import Tail, find_leader
 from coordinator.certs import make_certificates
+from learner.cli import PROGRESS
 from protos import ftsync_pb2 as pb
 from protos import tls
 from protos.events import EventLog
@@ -35,7 +35,6 @@ from protos.tls import TlsConfig
 # How long a kill waits for its moment (during = "grace" or "push").
 MOMENT_WAIT_S = 10.0
 
-_PROGRESS = re.compile(r" step (\d+) loss (\S+)")
 
 
 class Handle(Protocol):
@@ -89,7 +88,7 @@ class LearnerSlot(Generic[H]):
 
     def progress(self, line: str) -> None:
         """Take a learner's output line; a progress line moves its step and loss."""
-        match = _PROGRESS.search(line)
+        match = PROGRESS.search(line)
         if match:
             self.step = self.step_base + int(match.group(1))
             self.loss = match.group(2)
@@ -133,6 +132,8 @@ class Cluster(abc.ABC, Generic[H]):
         # Per partition occurrence, what it cut (the leader resolved), for its heal.
         self._partitioned: dict[tuple[int, int], tuple[str, list[str]]] = {}
         self._skipped: set[tuple[int, int]] = set()
+        # Kills whose slot a spare took: their scripted restart is skipped.
+        self._taken_over: set[tuple[int, int]] = set()
 
     # -- what processes see ------------------------------------------------------------
 
@@ -170,6 +171,13 @@ class Cluster(abc.ABC, Generic[H]):
         if self.experiment.coordinator.mode == "sync":
             args.append("--lockstep")
         return args
+
+    def spare_args(self) -> list[str]:
+        """The flags a warm spare starts with: those that build the model its slots
+        will ask for (learner/spare.py checks they match)."""
+        spec = self.experiment.learners
+        return ["--task", spec.task, "--size", spec.size, "--seed", str(self.experiment.seed),
+                "--threads", str(spec.threads), *spec.args]
 
     def adversary_args(self, name: str, coordinator: str, kinds: list[str], duration_s: float,
                        event_log: str) -> list[str]:
@@ -253,6 +261,10 @@ class Cluster(abc.ABC, Generic[H]):
     def _drain_fault(self, action: Action, occurrence: tuple[int, int]) -> None:
         raise NotImplementedError(f"drain_replica is not supported on {type(self).__name__}")
 
+    def hand_to_spare(self, slot: LearnerSlot[H], steps: int) -> None:
+        """Give `slot` (killed) to a warm spare for `steps` more steps, and warm another."""
+        raise NotImplementedError(f"learners.spares is not supported on {type(self).__name__}")
+
     # -- faults ----------------------------------------------------------------------
 
     def apply(self, action: Action) -> None:
@@ -260,9 +272,14 @@ class Cluster(abc.ABC, Generic[H]):
         kind = fault.kind
         slot = next((s for s in self.learners if s.learner_id == target), None)
         detail = ""
+        take_over = False
         # A fault on a process that is not running (down, done) is skipped, and so
         # is its heal: overlapping windows would start a second process in its place.
         occurrence = (id(fault), action.occurrence)
+        if action.heal and occurrence in self._taken_over:
+            self.events.emit("fault_skipped", fault=kind, target=target, action="heal",
+                             reason="a warm spare took the slot")
+            return
         not_running = self._not_running(kind, target, slot)
         if not_running is not None and (occurrence in self._skipped or not action.heal):
             self._skipped.add(occurrence)
@@ -279,6 +296,7 @@ class Cluster(abc.ABC, Generic[H]):
                     detail = self._await_push(slot)
                 slot.state = "killed"
                 self.kill_learner(slot)
+                take_over = self.experiment.learners.spares > 0
             else:
                 slot.step_base = slot.step
                 remaining = max(self.experiment.learners.steps - slot.step, 1)
@@ -329,6 +347,18 @@ class Cluster(abc.ABC, Generic[H]):
                                    fault.bandwidth_bytes_s)
         self.events.emit("fault", fault=kind, target=target,
                          action="heal" if action.heal else "inject", detail=detail)
+        if take_over and slot is not None:
+            self._take_over(slot, occurrence)
+
+    def _take_over(self, slot: LearnerSlot[H], occurrence: tuple[int, int]) -> None:
+        """A killed learner's slot goes to a warm spare now: its down time ends here,
+        and the kill's scripted restart is skipped."""
+        slot.step_base = slot.step
+        remaining = max(self.experiment.learners.steps - slot.step, 1)
+        self.hand_to_spare(slot, remaining)
+        self._taken_over.add(occurrence)
+        self.events.emit("fault", fault="kill_learner", target=slot.learner_id, action="heal",
+                         detail=f"a warm spare took the slot for {remaining} steps")
 
     def _not_running(self, kind: str, target: str, slot: LearnerSlot[H] | None) -> str | None:
         """Why the process a kill or pause targets is not running now; None if it is

@@ -38,8 +38,9 @@ ADVERSARY_KINDS = ("nan", "shape", "norm", "replay")
 # leader (found when it strikes), a replica (r0, ...), an etcd member (m0, ...), or
 # every etcd member ("etcd", in cut_from only).
 PARTITION_NAME = re.compile(r"coordinator|leader|r\d+|m\d+|learner-\d+|random")
-# The outer optimizer of async runs unless their settings say otherwise (BENCHMARKS.md).
-ASYNC_OUTER: Final = {"outer.lr": 0.3, "outer.momentum": 0.0}
+# The outer optimizer of async runs unless their settings say otherwise (BENCHMARKS.md):
+# the fixed values they were measured with, not scaled per round.
+ASYNC_OUTER: Final = {"outer.lr": 0.3, "outer.momentum": 0.0, "outer.adaptive": False}
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,17 @@ class LearnerSpec:
     # Every learner serves its fragments to the others, and a restarted learner
     # catches up from them (the coordinator serves what no peer holds).
     peers: bool = False
+    # Warm spares kept beside the learners (learner/spare.py): a killed learner's slot
+    # goes to one at once, and a new one warms; the kill's scripted restart is skipped.
+    spares: int = 0
 
     def __post_init__(self) -> None:
         for key in ("count", "steps", "sync_every", "fragments", "overlap", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"learners.{key} must be at least 1 (got {getattr(self, key)})")
+        if not 0 <= self.spares <= self.count:
+            raise ValueError(f"learners.spares must be in 0..count ({self.count}) "
+                             f"(got {self.spares})")
 
     def ids(self) -> list[str]:
         return [f"learner-{i}" for i in range(self.count)]
@@ -288,6 +295,9 @@ class Experiment:
             self._check_ha_fault(i, fault)
             self._check_backend_fault(i, fault)
         self._check_ha_topology()
+        if self.backend == "docker" and self.learners.spares:
+            raise ValueError("learners.spares runs on backend = \"process\" only (under "
+                             "Kubernetes a spare is a standby pod: docs/architecture.md)")
 
     @property
     def highly_available(self) -> bool:

@@ -41,6 +41,7 @@ from chaos.history import load_log
 from chaos.local import CoordinatorProcess, StartError
 from chaos.metrics import goodput
 from chaos.proxy import ThreadedProxy
+from learner.spare import Spare
 
 _GOODPUT_EVERY_S = 5.0
 
@@ -67,6 +68,10 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
         for slot in self.learners:
             slot.peer_port = free_port() if experiment.learners.peers else 0
         self.adversaries: list[subprocess.Popen[str]] = []
+        # Warm spares holding no slot yet (learner/spare.py); their lines before a
+        # hand-over (`ready`) go to one file.
+        self.spares: list[Spare] = []
+        self._spare_log = out / "spares.out"
 
     # -- processes -------------------------------------------------------------
 
@@ -88,6 +93,8 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
                 proxy.start()
                 slot.proxy = proxy
             self.start_learner(slot, self.experiment.learners.steps)
+        for _ in range(self.experiment.learners.spares):
+            self._start_spare()
 
     def _start_replicas(self) -> None:
         assert self.etcd is not None
@@ -124,15 +131,20 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
             return f"etcd://{','.join(self.etcd.endpoints)}/{self.experiment.coordinator.run}"
         return self.replicas.addresses
 
-    def start_learner(self, slot: Slot, steps: int) -> None:
+    def _slot_args(self, slot: Slot, steps: int) -> list[str]:
         peers = [f"127.0.0.1:{other.peer_port}" for other in self.learners if other is not slot]
-        command = [sys.executable, "-m", "learner", *self.learner_args(
+        return self.learner_args(
             slot, steps, self.learner_address(slot), str(slot.log),
-            serve_peers=f"127.0.0.1:{slot.peer_port}" if slot.peer_port else "", peers=peers)]
+            serve_peers=f"127.0.0.1:{slot.peer_port}" if slot.peer_port else "", peers=peers)
+
+    def _env(self) -> dict[str, str]:
         threads = str(self.experiment.learners.threads)
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads}
+
+    def start_learner(self, slot: Slot, steps: int) -> None:
         slot.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads})
+            [sys.executable, "-m", "learner", *self._slot_args(slot, steps)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env())
         slot.state = "running"
         self._started("learner", slot.learner_id, slot.process)
         threading.Thread(target=self._follow, args=(slot, slot.process), daemon=True).start()
@@ -146,6 +158,34 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
                 slot.progress(line)
         self._exited(slot, process, process.wait(), pid=process.pid)
 
+    def _start_spare(self) -> None:
+        spare = Spare(self.spare_args(), env=self._env(), log=self._spare_log)
+        self.spares.append(spare)
+        self.events.emit("spare_start", pid=spare.pid)
+
+    def hand_to_spare(self, slot: Slot, steps: int) -> None:
+        """The first warm spare (else the one warming longest) takes the slot; its
+        output is followed as a learner's from the hand-over line on."""
+        spare = next((s for s in self.spares if s.ready.is_set() and s.alive),
+                     None) or min((s for s in self.spares if s.alive), key=lambda s: s.started)
+        self.spares.remove(spare)
+        keep = self.out / f"{slot.learner_id}.out"
+
+        def line(text: str) -> None:
+            with open(keep, "a") as f:
+                f.write(text)
+            slot.progress(text)
+
+        def exited(code: int) -> None:
+            self._exited(slot, spare.process, code, pid=spare.pid)
+
+        slot.process = spare.process
+        slot.state = "running"
+        self.events.emit("process_start", role="learner", name=slot.learner_id,
+                         pid=spare.pid, spare=True, warm=spare.ready.is_set())
+        spare.hand_over(self._slot_args(slot, steps), line, exited)
+        self._start_spare()
+
     def _started(self, role: str, name: str, process: subprocess.Popen[Any] | None) -> None:
         self._record_start(role, name, pid=process.pid if process else None)
 
@@ -154,6 +194,8 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
     def kill_learner(self, slot: Slot) -> None:
         assert slot.process is not None
         slot.process.kill()
+        # Gone, its sockets closed, before anything (a spare) takes its peer port.
+        slot.process.wait(timeout=10)
 
     def freeze(self, slot: Slot, frozen: bool) -> None:
         if slot.process is not None and slot.process.poll() is None:
@@ -289,6 +331,9 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
     # -- the end ----------------------------------------------------------------
 
     def stop_all(self, grace_s: float = 60.0) -> None:
+        for spare in self.spares:
+            spare.stop()
+        self.spares = []
         for slot in self.learners:
             if slot.proxy is not None:
                 slot.proxy.heal()

@@ -15,10 +15,11 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 import numpy as np
@@ -31,12 +32,63 @@ from protos import discovery, tls
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
 
+if TYPE_CHECKING:
+    import torch
+
+    from learner.tasks import Task
+
 TASK_CHOICES = ("lm-stdlib", "digits", "synthetic")
+# A progress line's step and loss (`_Run.line`), as supervisors read them.
+PROGRESS = re.compile(r" step (\d+) loss (\S+)")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["supervise"]:
+        from learner.spare import supervise
+
+        code = supervise(argv[1:], _parse_refusing)
+        sys.stdout.flush()
+        os._exit(code)
     parser = _parser()
     args = parser.parse_args(argv)
+    _validate(parser, args)
+    if args.check_config:
+        print(_describe(parser, args))
+        sys.exit(0)
+    if args.spare:
+        code = run_spare(args)
+    else:
+        run = run_synthetic if args.task == "synthetic" else run_task
+        code = run(args)
+    # The run is left and every log flushed. Tearing torch and gRPC down at interpreter
+    # exit would keep the process (and the slot it holds) busy for seconds more on a
+    # loaded machine, so end here: this is a process's entry point, not a library call.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """Flags read for a spare's hand-over or a supervisor: a mistake is refused with
+    its message instead of ending the process."""
+
+    def error(self, message: str) -> NoReturn:
+        from learner.spare import HandoverRefused
+
+        raise HandoverRefused(message)
+
+
+def _parse_refusing(flags: list[str]) -> argparse.Namespace:
+    """Flags checked as `main` checks them; `HandoverRefused` says what is wrong."""
+    parser = _parser(_RefusingParser)
+    args = parser.parse_args(flags)
+    _validate(parser, args)
+    return args
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every check of the flags that needs no coordinator; `parser.error` on the first."""
     try:
         codec_named(args.compression)
         SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
@@ -63,22 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "synthetic" and args.fragments > args.dim:
         parser.error(f"--fragments {args.fragments} exceeds --dim {args.dim}: every "
                      f"fragment needs at least one parameter")
-    if args.check_config:
-        print(_describe(parser, args))
-        sys.exit(0)
-    run = run_synthetic if args.task == "synthetic" else run_task
-    code = run(args)
-    # The run is left and every log flushed. Tearing torch and gRPC down at interpreter
-    # exit would keep the process (and the slot it holds) busy for seconds more on a
-    # loaded machine, so end here: this is a process's entry point, not a library call.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ftsync-learner",
-                                     description="Run an ftsync learner on a built-in task.")
+def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+            ) -> argparse.ArgumentParser:
+    parser = kind(prog="ftsync-learner",
+                  description="Run an ftsync learner on a built-in task "
+                              "(`ftsync-learner supervise --help`: with warm spares).")
     parser.add_argument("--coordinator", default="127.0.0.1:50051",
                         help="HOST:PORT, a comma-separated list of replicas, or "
                              "etcd://HOST:PORT[,HOST:PORT]/RUN to find the leader in etcd")
@@ -126,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress-every", type=int, default=50, help="steps between lines")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="held-out evaluation every N steps (0: start and end only)")
+    parser.add_argument("--spare", action="store_true",
+                        help="a warm spare: build and warm the task's model, then wait for "
+                             "a slot's flags as one JSON line on stdin (learner/spare.py)")
     parser.add_argument("--check-config", action="store_true",
                         help="check every flag and the TLS files, print the settings and exit "
                              "(0 valid, 2 not) without connecting or looking for --device")
@@ -159,6 +205,12 @@ def _describe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
 
 def _addresses(value: str) -> list[str]:
     return [address.strip() for address in value.split(",") if address.strip()]
+
+
+def progress_step(line: str) -> int | None:
+    """The step a progress line reports, or None for any other line."""
+    match = PROGRESS.search(line)
+    return int(match.group(1)) if match else None
 
 
 def _say_caught_up(learner_id: str, catch_up: CatchUp | None,
@@ -296,22 +348,84 @@ def _leaving_on_error(close: Callable[..., None]) -> Iterator[None]:
         raise
 
 
-def run_task(args: argparse.Namespace) -> int:
+@dataclass
+class _Built:
+    """A torch task with its model and inner optimizer, built before the run is joined
+    (by a spare, long before)."""
+
+    device: torch.device
+    task: Task
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    # Imports torch._dynamo beside the start; the first optimizer step needs it.
+    dynamo: threading.Thread
+
+
+def _build(args: argparse.Namespace) -> _Built:
+    """ValueError: --device names no usable device."""
     import torch
 
-    from learner.api import Learner, resolve_device
+    from learner.api import resolve_device
     from learner.tasks import import_dynamo_aside, task_named
 
     torch.set_num_threads(args.threads)
-    try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        print(f"ftsync-learner: {exc}", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)
     dynamo = import_dynamo_aside()
     task = task_named(args.task, seed=args.seed, device=device, size=args.size)
     model = task.build_model()
-    optimizer = task.make_optimizer(model)
+    return _Built(device, task, model, task.make_optimizer(model), dynamo)
+
+
+def _warm(built: _Built) -> None:
+    """One training step and one evaluation on data the spare then forgets: the weights
+    and the optimizer's state are put back, the code paths the first real step takes
+    (the optimizer's, dynamo's imports, the data's) stay warm."""
+    import torch
+
+    saved = {key: value.clone() for key, value in built.model.state_dict().items()}
+    loss, _ = built.task.loss(built.model, next(built.task.train_batches(0, 1)))
+    built.optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    built.dynamo.join()
+    built.optimizer.step()
+    built.optimizer.zero_grad(set_to_none=True)
+    built.optimizer.state.clear()
+    with torch.no_grad():
+        built.model.load_state_dict(saved)
+    built.task.eval_loss(built.model)
+
+
+def run_spare(args: argparse.Namespace) -> int:
+    """`--spare`: build and warm what a slot needs, wait for one (learner/spare.py),
+    then run as that slot's learner; 0 at end of input without a slot."""
+    from learner.spare import wait_for_slot
+
+    began = time.monotonic()
+    built = None
+    if args.task != "synthetic":
+        try:
+            built = _build(args)
+        except ValueError as exc:
+            print(f"ftsync-learner: {exc}", file=sys.stderr)
+            return 2
+        _warm(built)
+    slot = wait_for_slot(args, _parse_refusing, time.monotonic() - began)
+    if slot is None:
+        return 0
+    return run_synthetic(slot) if built is None else run_task(slot, built)
+
+
+def run_task(args: argparse.Namespace, built: _Built | None = None) -> int:
+    from learner.api import Learner
+
+    if built is None:
+        try:
+            built = _build(args)
+        except ValueError as exc:
+            print(f"ftsync-learner: {exc}", file=sys.stderr)
+            return 2
+    device, task, model, optimizer = built.device, built.task, built.model, built.optimizer
+    dynamo = built.dynamo
     learner = Learner(args.coordinator, model, sync_every=args.sync_every,
                       fragments=args.fragments, overlap=args.overlap, alpha=args.alpha,
                       lockstep=args.lockstep,
@@ -353,6 +467,8 @@ def run_task(args: argparse.Namespace) -> int:
                 learner.events.emit("eval", learner=args.learner_id, step=run.steps, loss=eval_loss)
             if run.steps % args.progress_every == 0:
                 print(run.line(learner.progress(), eval_loss), flush=True)
+            if run.steps % args.progress_every == 0 or run.steps == 1:
+                # The first step's event times a start: spawn (or hand-over) to training.
                 learner.events.emit("train", learner=args.learner_id, step=run.steps,
                                     loss=run.loss, tokens=run.tokens)
         _training_ended(run, learner.events)

@@ -403,6 +403,13 @@ class ProcessStart(TypedDict):
     name: str
     pid: int | None
     container: NotRequired[str]
+    # A warm spare took the slot (learner/spare.py); `warm`: it had said ready.
+    spare: NotRequired[bool]
+    warm: NotRequired[bool]
+
+
+class SpareStart(TypedDict):
+    pid: int
 
 
 class ProcessExit(TypedDict):
@@ -500,6 +507,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("harness", "fault_note"): FaultNote,
     ("harness", "leader"): Leader,
     ("harness", "topology_ready"): TopologyReady,
+    ("harness", "spare_start"): SpareStart,
 }
 
 
