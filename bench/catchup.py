@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
 
@@ -163,7 +163,7 @@ async def holdings(address: str) -> dict[int, set[int]]:
     return result
 
 
-def wait_for_peer(daemon: CoordinatorProcess, address: str, timeout: float = 300.0) -> dict[int, int]:
+def wait_for_peer(daemon: Daemon, address: str, timeout: float = 300.0) -> dict[int, int]:
     """Until the peer holds every published version, each at least 1; returns them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -176,7 +176,7 @@ def wait_for_peer(daemon: CoordinatorProcess, address: str, timeout: float = 300
     raise TimeoutError("the peer never held every published version")
 
 
-def catch_up_once(daemon: CoordinatorProcess, learner_id: str, size: list[str],
+def catch_up_once(daemon: Daemon, learner_id: str, size: list[str],
                   extra: list[str]) -> dict[str, Any]:
     """One fresh learner process: spawn, catch up, one step; its timings."""
     spawned = time.monotonic()
@@ -219,7 +219,7 @@ def measure_catchup(params: int = 100_000_000, fragments: int = 4,
     try:
         raw.receive()  # warm-up
         with tempfile.TemporaryDirectory(prefix="ftsync-bench-catchup-") as tmp:
-            daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
+            daemon = Daemon(state_dir=Path(tmp) / "state",
                             args=["--set", "fsync=false", "--set", "policy.grace_max_s=0"])
             daemon.start()
             peer = subprocess.Popen(

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 
 EAGER = ("import sys, torch._dynamo; from learner.cli import main; "
          "sys.argv[0] = 'ftsync-learner'; main()")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results: dict[str, list[dict[str, float]]] = {"aside": [], "eager": []}
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-coldstart-") as tmp:
-        daemon = CoordinatorProcess(state_dir=Path(tmp) / "state", args=["--set", "fsync=false"]).start()
+        daemon = Daemon(state_dir=Path(tmp) / "state", args=["--set", "fsync=false"]).start()
         try:
             for run in range(args.runs):
                 for kind in ("aside", "eager"):

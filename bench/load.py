@@ -46,7 +46,7 @@ import numpy as np
 
 from bench.soak import sample_process, size_flags
 from bench.transfer import CHANNEL_OPTIONS, FP32, WireCount, emit, log, push_messages
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 from learner.client import Refused
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -243,7 +243,7 @@ def watch(address: str, fleet: set[str], until: float, every_s: float) -> Watch:
     return seen
 
 
-def commits(daemon: CoordinatorProcess) -> int:
+def commits(daemon: Daemon) -> int:
     return sum(max(f.version, 0) for f in daemon.status().fragments)
 
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     fleet = {learner_id(i) for i in range(args.learners)}
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-load-") as tmp:
-        daemon = CoordinatorProcess(state_dir=Path(tmp) / "state", args=args.daemon_arg).start()
+        daemon = Daemon(state_dir=Path(tmp) / "state", args=args.daemon_arg).start()
         drivers: list[Any] = []
         try:
             initialize(daemon.address, args.fragments, args.numel)

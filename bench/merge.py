@@ -52,7 +52,7 @@ from bench.transfer import (
     push_messages,
     split,
 )
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 from coordinator.config import CoordinatorConfig, OuterConfig
 from coordinator.engine import Engine
 from coordinator.merge import Accumulator, norm_sq, outer_step
@@ -353,7 +353,7 @@ def measure_memory(sizes: list[int], theta: Floats, delta: Floats, chunk_bytes: 
     model = theta.nbytes
     results: dict[str, Any] = {}
     for pushers in PUSHERS:
-        daemon = CoordinatorProcess(state_dir=state_root / f"rss{pushers}",
+        daemon = Daemon(state_dir=state_root / f"rss{pushers}",
                         args=["--min-quorum", str(pushers), "--set", "fsync=false"]).start()
         try:
             assert daemon.process is not None

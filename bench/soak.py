@@ -53,7 +53,7 @@ import grpc
 import numpy as np
 
 from bench.transfer import emit, log
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 from coordinator.config import CoordinatorConfig
 from coordinator.durability import KEEP_SEGMENTS, SEGMENT_BYTES, read_manifests
 from coordinator.engine import Engine
@@ -98,7 +98,7 @@ def directory_bytes(root: Path) -> int:
     return total
 
 
-def daemon_pid(daemon: CoordinatorProcess) -> int:
+def daemon_pid(daemon: Daemon) -> int:
     assert daemon.process is not None
     return daemon.process.pid
 
@@ -197,11 +197,11 @@ class CommitCounter:
 
 # -- checkpoints ----------------------------------------------------------------------
 
-def versions_of(daemon: CoordinatorProcess) -> dict[int, int]:
+def versions_of(daemon: Daemon) -> dict[int, int]:
     return {f.fragment: f.version for f in daemon.status().fragments}
 
 
-def wait_settled(daemon: CoordinatorProcess, timeout: float = 30.0, quiet_s: float = 0.3) -> dict[int, int]:
+def wait_settled(daemon: Daemon, timeout: float = 30.0, quiet_s: float = 0.3) -> dict[int, int]:
     """The versions, once no round is open and none has changed for `quiet_s`: a
     closed round is published only once its version is written."""
     deadline = time.monotonic() + timeout
@@ -232,7 +232,7 @@ def time_resume(state_dir: Path, repeats: int) -> list[float]:
     return [asyncio.run(once()) for _ in range(repeats)]
 
 
-def checkpoint(daemon: CoordinatorProcess, repeats: int) -> dict[str, Any]:
+def checkpoint(daemon: Daemon, repeats: int) -> dict[str, Any]:
     """Crash the daemon, time resume, the whole-log baseline and a restart."""
     before = wait_settled(daemon)
     daemon.kill()
@@ -294,7 +294,7 @@ def audit_trail(state_dir: Path, versions: dict[int, int]) -> dict[str, Any]:
 
 # -- the run ----------------------------------------------------------------------------
 
-async def soak(daemon: CoordinatorProcess, args: argparse.Namespace,
+async def soak(daemon: Daemon, args: argparse.Namespace,
                checkpoints: list[int]) -> dict[str, Any]:
     fleet = Fleet(daemon.address, args.numel, args.fragments)
     await fleet.join()
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-soak-") as tmp:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        daemon = CoordinatorProcess(state_dir=root / "state", args=[
+        daemon = Daemon(state_dir=root / "state", args=[
             "--min-quorum", "1", "--set", "policy.grace_max_s=0", "--set", "fsync=false"])
         daemon.start()
         try:

@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess as Daemon
 from coordinator.certs import make_certificates
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -551,7 +551,7 @@ def secure_transfer(tmp: Path, args: argparse.Namespace, sizes: list[int], theta
                                  ca=str(tmp / "certs" / "ca.pem"))
              for stem in ("coordinator", "learner-bench-learner")}
     with daemon_environment(args.daemon_env):
-        daemon = CoordinatorProcess(state_dir=tmp / "state-tls", args=[
+        daemon = Daemon(state_dir=tmp / "state-tls", args=[
             "--set", "fsync=false", *tls.as_flags(files["coordinator"])]).start()
     try:
         return asyncio.run(daemon_transfer(
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"  {2 * delta.nbytes / min(before) / MB:.0f} MB/s")
         with tempfile.TemporaryDirectory(prefix="ftsync-bench-transfer-") as tmp:
             with daemon_environment(args.daemon_env):
-                daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
+                daemon = Daemon(state_dir=Path(tmp) / "state",
                                 args=["--set", "fsync=false"]).start()
             try:
                 result = asyncio.run(daemon_transfer(daemon.address, sizes, theta, delta,
