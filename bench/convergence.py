@@ -189,6 +189,7 @@ def coordinator_args(config: Config, s: Settings) -> list[str]:
     quorum = ["--sync-mode", str(LEARNERS)] if config.sync else [
         "--min-quorum", "1", "--set", f"policy.grace_max_s={s.grace_max_s}"]
     return [*quorum, "--set", f"outer.lr={lr}", "--set", f"outer.momentum={momentum}",
+            "--set", "outer.adaptive=false",
             "--set", f"policy.staleness_exponent={s.staleness_exponent}",
             "--set", "fsync=false"]
 

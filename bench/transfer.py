@@ -53,6 +53,7 @@ from protos import ftsync_pb2_grpc as pb_grpc
 from protos import tls
 from protos.codec import (
     DEFAULT_CHUNK_BYTES,
+    MESSAGE_SIZE_OPTIONS,
     Codec,
     chunk_elements,
     codec_named,
@@ -62,8 +63,7 @@ from protos.codec import (
 MIB = 1 << 20
 MB = 1e6
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * MIB),
-    ("grpc.max_send_message_length", 8 * MIB),
+    *MESSAGE_SIZE_OPTIONS,
     # Each learner gets its own TCP connection, as separate processes would.
     ("grpc.use_local_subchannel_pool", 1),
 ]

@@ -39,6 +39,16 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    # Scale lr and momentum per round by `RoundClose.step_scale` (the share of live
+    # learners merged over one plus the mean staleness), so that DiLoCo's values,
+    # made for lock-step rounds, also converge at a small quorum; false: as given.
+    adaptive: bool = True
+
+    def scaled(self, scale: float) -> OuterConfig:
+        """The settings one round steps with (`adaptive`: lr and momentum × scale)."""
+        if not self.adaptive or scale == 1.0:
+            return self
+        return dataclasses.replace(self, lr=self.lr * scale, momentum=self.momentum * scale)
 
     def __post_init__(self) -> None:
         if not 0 < self.lr < math.inf:

@@ -38,11 +38,8 @@ from coordinator.tasks import cancel_and_wait
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import telemetry, tls
-from protos.codec import MAX_CHUNK_BYTES
+from protos.codec import MESSAGE_SIZE_OPTIONS
 
-# gRPC's own limit sits above ours, so an oversize chunk between the two
-# gets our error (named and counted) rather than gRPC's.
-GRPC_MAX_MESSAGE = 2 * MAX_CHUNK_BYTES
 # How long a drain waits when the request names no time (DrainRequest.timeout_s).
 DRAIN_TIMEOUT_S = 30.0
 
@@ -145,8 +142,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
     await engine.start()
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE),
-        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE),
+        *MESSAGE_SIZE_OPTIONS,
         # Learners ping every 10 s to notice cut connections; let them.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

@@ -16,7 +16,9 @@ every live learner has contributed or its grace window has ended:
     grace = clamp(γ · (τ · ξ_step − ξ_quorum − ξ_sync), 0, grace_max)
 
 and contributions are weighted `c_tokens · (c_tokens / c_steps) · (1 + s)^−a`
-with `s` the staleness in versions. A round holds one contribution per
+with `s` the staleness in versions. A closed round also says how large an outer
+step it deserves (`RoundClose.step_scale`): the share of the live learners it
+merged over one plus its mean staleness. A round holds one contribution per
 learner and base version: a second push of a learner against the base of one
 it has in the open round replaces it (each push carries the progress since
 the learner's previous one, so the newer stands for both, counted once).
@@ -140,10 +142,34 @@ class RoundClose:
     closed_at: float
     grace_s: float
     why: CloseReason
+    # Live learners at the close, those merged included.
+    live: int = 1
 
     @property
     def total_weight(self) -> float:
         return sum(c.weight for c in self.manifest)
+
+    @property
+    def mean_staleness(self) -> float:
+        """Weighted mean staleness of the merged contributions: how many versions
+        behind the outer gradient this round applies is."""
+        total = self.total_weight
+        if total <= 0:
+            return 0.0
+        return sum(c.weight * c.staleness for c in self.manifest) / total
+
+    @property
+    def step_scale(self) -> float:
+        """What the outer step's lr and momentum are multiplied by: 1 for a round that
+        merged every live learner at their current versions (DiLoCo's lock-step
+        round), less for one that merged a share of them, or outer gradients taken
+        from older versions. Momentum on delayed gradients diverges (a delay of d
+        rounds needs lr and momentum about 1/(1+d) of DiLoCo's, BENCHMARKS.md
+        "Outer defaults"), and each of several rounds that merge one learner's
+        work apart would otherwise step as far as one that merges all."""
+        learners = len({c.id.learner_id for c in self.manifest})
+        share = min(learners / max(self.live, 1), 1.0)
+        return share / (1.0 + self.mean_staleness)
 
 
 @dataclass
@@ -425,7 +451,8 @@ class Policy:
             raise ValueError(f"round of fragment {fragment} is not due at {now}")
         assert rnd.opened_at is not None and rnd.quorum_at is not None
         assert rnd.deadline is not None
-        why: CloseReason = ("all_live" if self.live_learners(now) <= rnd.learners()
+        live = self.live_learners(now)
+        why: CloseReason = ("all_live" if live <= rnd.learners()
                             else "no_grace" if rnd.grace_s == 0
                             else "grace_ended" if now >= rnd.deadline else "draining")
         for c in rnd.contributions:
@@ -436,7 +463,7 @@ class Policy:
         return RoundClose(fragment=fragment, version=rnd.version,
                           manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
                           quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s,
-                          why=why)
+                          why=why, live=len(live | rnd.learners()))
 
     def drain(self, draining: bool = True) -> None:
         """Take no new rounds, so that this replica can stop with nothing lost: a

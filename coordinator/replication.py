@@ -40,7 +40,7 @@ from coordinator.tasks import cancel_and_wait
 from protos import discovery, tls
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.codec import MAX_CHUNK_BYTES, codec_named, iter_chunk_messages
+from protos.codec import MAX_CHUNK_BYTES, MESSAGE_SIZE_OPTIONS, codec_named, iter_chunk_messages
 from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial
 
@@ -52,8 +52,7 @@ _CHUNK_BYTES = 4 << 20
 # Pause before a failed link dials its standby again.
 _RECONNECT_S = 0.5
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 2 * MAX_CHUNK_BYTES),
-    ("grpc.max_receive_message_length", 2 * MAX_CHUNK_BYTES),
+    *MESSAGE_SIZE_OPTIONS,
     ("grpc.keepalive_time_ms", 2_000),
     ("grpc.keepalive_timeout_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),

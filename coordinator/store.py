@@ -263,7 +263,8 @@ class FragmentStore:
             with _TRACER.start_as_current_span("ftsync.merge"):
                 delta = accumulator.result(close.total_weight)
             with _TRACER.start_as_current_span("ftsync.outer_step"):
-                params = outer_step(self.outer, old.params, momentum, delta)
+                params = outer_step(self.outer.scaled(close.step_scale), old.params,
+                                    momentum, delta)
             record = FragmentRecord(close.fragment, close.version, params, momentum,
                                     watermarks, manifest, epoch, new_commit_id())
             with _TRACER.start_as_current_span("ftsync.durable_write") as write:
@@ -315,4 +316,4 @@ def _round_attributes(close: RoundClose) -> dict[str, Any]:
             "ftsync.round.why": close.why, "ftsync.round.contributions": len(close.manifest),
             "ftsync.round.learners": len({c.id.learner_id for c in close.manifest}),
             "ftsync.round.quorum_wait_s": close.quorum_at - close.opened_at,
-            "ftsync.round.grace_s": close.grace_s}
+            "ftsync.round.grace_s": close.grace_s, "ftsync.round.step_scale": close.step_scale}

@@ -44,7 +44,7 @@ from learner.metrics import LearnerMetrics
 from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.codec import Codec, codec_named, iter_chunk_messages
+from protos.codec import MESSAGE_SIZE_OPTIONS, Codec, codec_named, iter_chunk_messages
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial, aio_channel, diagnose
@@ -52,8 +52,7 @@ from protos.tls import TlsMaterial, aio_channel, diagnose
 T = TypeVar("T")
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.max_send_message_length", 8 << 20),
+    *MESSAGE_SIZE_OPTIONS,
     # Notice a cut connection in seconds, not at the next call's deadline.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

@@ -37,7 +37,7 @@ import numpy as np
 from protos import ftsync_pb2 as pb
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
-from protos.codec import FP32, iter_chunk_messages
+from protos.codec import FP32, MESSAGE_SIZE_OPTIONS, iter_chunk_messages
 from protos.events import EventLog
 from protos.stream import ChunkReader
 from protos.tls import (
@@ -55,8 +55,7 @@ from protos.tls import (
 TRANSPORTS: Final = ("bulk", "grpc")
 
 _CHANNEL_OPTIONS: Final = [
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.max_send_message_length", 8 << 20),
+    *MESSAGE_SIZE_OPTIONS,
     # One connection per peer, as if each were its own process.
     ("grpc.use_local_subchannel_pool", 1),
 ]
@@ -284,7 +283,7 @@ class PeerServer:
         self.bulk_port = listener.getsockname()[1]
         # No SO_REUSEPORT: a second learner given the same address must fail to start,
         # not share the port with the first.
-        server = grpc.aio.server(options=[*_CHANNEL_OPTIONS[:2], ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)])
         peer_grpc.add_PeerFragmentsServicer_to_server(_Servicer(self), server)
         try:
             port = add_port(server, address, self.tls)

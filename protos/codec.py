@@ -38,6 +38,11 @@ _MIB: Final = 1 << 20
 DEFAULT_CHUNK_BYTES: Final = 2 * _MIB
 MIN_CHUNK_BYTES: Final = 1 * _MIB
 MAX_CHUNK_BYTES: Final = 4 * _MIB
+# gRPC's message-size limits on every channel and server that carries chunks. They sit
+# above ours, so an oversize chunk between the two gets our error (named and counted),
+# not gRPC's. Spread them into a channel's or server's options.
+MESSAGE_SIZE_OPTIONS: Final = (("grpc.max_receive_message_length", 2 * MAX_CHUNK_BYTES),
+                               ("grpc.max_send_message_length", 2 * MAX_CHUNK_BYTES))
 
 # Encoders and the two-pass decoders walk a vector in blocks of this many elements (512 KiB
 # of fp32), so temporaries stay in cache and page faults on fresh buffers stay rare. Even,

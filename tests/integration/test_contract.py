@@ -32,9 +32,10 @@ from tests.integration.test_bad_input import (
 )
 
 StartDaemon = Callable[..., Daemon]
-# The outer step is Θ ← Θ − Δ with these, so a version shows the merge itself.
+# The outer step is Θ ← Θ − Δ with these (not scaled per round), so a version shows
+# the merge itself.
 PLAIN_OUTER = ("--set", "outer.lr=1.0", "--set", "outer.momentum=0.0",
-               "--set", "outer.nesterov=false")
+               "--set", "outer.nesterov=false", "--set", "outer.adaptive=false")
 
 
 @pytest.mark.parametrize("method", ["/ftsync.v0.Synchronizer/Join",

@@ -98,7 +98,8 @@ MAX_STALENESS = 8
 # The largest seq a push can carry; one that uses it leaves its learner no next one.
 LAST_SEQ = 2**64 - 1
 ARGS = ("--set", "policy.grace_max_s=0", "--set", f"policy.max_staleness={MAX_STALENESS}",
-        "--set", "outer.lr=1.0", "--set", "outer.momentum=0.0", "--set", "fsync=false",
+        "--set", "outer.lr=1.0", "--set", "outer.momentum=0.0", "--set", "outer.adaptive=false",
+        "--set", "fsync=false",
         "--set", "auth.tokens={" + ", ".join(f'"{k}"="{v}"' for k, v in TOKENS.items()) + "}",
         "--set", f'auth.admin_token="{ADMIN_TOKEN}"')
 CODECS = ("fp32", "bf16", "int8", "e3m0")

@@ -188,6 +188,15 @@ def test_outer_step_without_momentum_is_plain_sgd(nesterov: bool) -> None:
     np.testing.assert_array_equal(momentum, delta)
 
 
+def test_a_round_steps_with_lr_and_momentum_scaled_unless_adaptive_is_off() -> None:
+    scaled = OuterConfig().scaled(0.25)
+    assert (scaled.lr, scaled.momentum, scaled.nesterov) == (pytest.approx(0.175),
+                                                             pytest.approx(0.225), True)
+    assert OuterConfig().scaled(1.0) == OuterConfig()
+    fixed = OuterConfig(adaptive=False)
+    assert fixed.scaled(0.25) == fixed
+
+
 @pytest.mark.parametrize("size", [3, 70000])
 def test_outer_step_never_writes_params_and_returns_delta(size: int) -> None:
     rng = np.random.default_rng(size)

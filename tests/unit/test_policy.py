@@ -809,6 +809,48 @@ def test_merge_of_a_hand_built_round() -> None:
     assert np.allclose((w * np.ones(3) + w * -np.ones(3)) / (2 * w), 0.0)
 
 
+# -- the outer step a round deserves --------------------------------------------------
+
+
+def test_a_round_of_every_live_learner_at_current_versions_steps_in_full() -> None:
+    policy = three_learners(PolicyConfig(min_quorum=3, grace_max_s=0.0))
+    for lid in ("a", "b", "c"):
+        contribute(policy, 1.0, lid, seq=1)
+    closed = policy.close(0, 1.0)
+    assert (closed.live, closed.mean_staleness, closed.step_scale) == (3, 0.0, 1.0)
+
+
+def test_a_round_of_a_share_of_the_learners_steps_by_that_share() -> None:
+    policy = three_learners(PolicyConfig(min_quorum=1, grace_max_s=0.0))
+    contribute(policy, 1.0, "a", seq=1)
+    closed = policy.close(0, 1.0)
+    assert closed.live == 3
+    assert closed.step_scale == pytest.approx(1 / 3)
+
+
+def test_stale_outer_gradients_step_less() -> None:
+    # a's push against version 0 arrives when version 1 is out: a delay of one round,
+    # weighted like the merge weighs it.
+    policy = Policy(PolicyConfig(min_quorum=1, grace_max_s=0.0, staleness_exponent=0.0),
+                    versions={0: 0})
+    policy.join("a", 0.0)
+    contribute(policy, 1.0, "a", seq=1, base=0)
+    policy.close(0, 1.0)
+    contribute(policy, 2.0, "a", seq=2, base=0)
+    closed = policy.close(0, 2.0)
+    assert closed.mean_staleness == 1.0
+    assert closed.step_scale == pytest.approx(0.5)
+
+
+def test_a_learner_that_died_counts_no_more_in_the_share() -> None:
+    policy = three_learners(PolicyConfig(min_quorum=1, grace_max_s=0.0,
+                                         heartbeat_timeout_s=1.0))
+    policy.heartbeat("a", 5.0, local_step=0)
+    contribute(policy, 5.0, "a", seq=1)
+    closed = policy.close(0, 5.0)  # b and c are dead: a is every live learner
+    assert (closed.live, closed.step_scale) == (1, 1.0)
+
+
 # -- the stateful model -------------------------------------------------------------
 
 LEARNERS = ("a", "b", "c", "d")
@@ -932,6 +974,8 @@ class PolicyMachine(RuleBasedStateMachine):
         assert closed.quorum_at <= closed.closed_at <= deadline
         assert deadline == closed.quorum_at + closed.grace_s
         assert 0.0 <= closed.grace_s <= self.config.grace_max_s
+        assert closed.live >= len(learners)
+        assert 0.0 < closed.step_scale <= 1.0
         for c in closed.manifest:
             assert 0 <= c.staleness <= self.config.max_staleness
             assert math.isfinite(c.weight) and c.weight >= 0.0
