@@ -40,7 +40,7 @@ from coordinator.tasks import cancel_and_wait
 from protos import discovery, tls
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.codec import MAX_CHUNK_BYTES, MESSAGE_SIZE_OPTIONS, codec_named, iter_chunk_messages
+from protos.codec import MESSAGE_SIZE_OPTIONS, codec_named, iter_chunk_messages
 from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial
 
