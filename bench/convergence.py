@@ -15,7 +15,11 @@ through a real `python -m coordinator` process, in these configurations:
   of one batch from each of the four shards' streams (the same data the learners see),
   AdamW as the task defines it, no coordinator: the data-parallel equivalent.
 
-Then (a) and (b) again with learner 3 slowed 3×.
+Then (a) and (b) again with learner 3 slowed 3×. With `--wan`, (a) and (b) once more as
+(wa) and (wb) with every learner behind a fault proxy of its own (`chaos.proxy`, in this
+process) set to a cross-region link (`--wan-latency-ms`, default 25 ms one way, and
+`--wan-mbit`, default 100 Mbit/s, each direction): DiLoCo exists for slow long links, and
+on loopback a round trip costs nothing, so lock-step's wait hides inside τ steps.
 
 Each learner step sleeps `--device-ms` (`ftsync-learner --step-ms`) to stand in for an
 accelerator: four CPU-bound learners on a two-core machine would share the cores, so a
@@ -43,9 +47,10 @@ directory) is evaluated on the task's held-out split; the mean of the learners' 
 end-of-run evaluations is reported beside it.
 
 **ratio** = loss(a) / loss(b) (target ≤ 1.03); **straggler_ratio** = wall(b) / wall(a)
-with the straggler (target ≥ 1.5).
+with the straggler (target ≥ 1.5); **wan_wall_ratio** = wall(wb) / wall(wa) (target ≥ 1.3)
+at **wan_loss_ratio** = loss(wa) / loss(wb) (target ≤ 1.03).
 
-Run from the repository root: `python -m bench.convergence [--quick]`. Progress goes to
+Run from the repository root: `python -m bench.convergence [--quick] [--wan]`. Progress goes to
 stderr; the last line of stdout is one JSON object.
 """
 
@@ -62,11 +67,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from chaos.local import CoordinatorProcess
+from chaos.proxy import LinkSpec, ThreadedProxy
 from coordinator.durability import StateDir
 
 LEARNERS = 4
@@ -98,6 +104,7 @@ class Settings:
     baseline_threads: int
     progress_every: int
     out: Path
+    wan: LinkSpec = field(default_factory=LinkSpec)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ class Config:
     # Sync with outer lr 1 and no momentum: plain parameter averaging (local SGD), a
     # second sync reference beside DiLoCo's outer optimizer.
     averaging: bool = False
+    # Every learner behind a proxy of its own set to the `Settings.wan` link.
+    wan: bool = False
 
 
 CONFIGS = {c.key: c for c in (
@@ -118,6 +127,8 @@ CONFIGS = {c.key: c for c in (
            straggler=False, averaging=True),
     Config("sa", "async, learner 3 slowed 3x", sync=False, straggler=True),
     Config("sb", "sync, learner 3 slowed 3x", sync=True, straggler=True),
+    Config("wa", "async over a cross-region link", sync=False, straggler=False, wan=True),
+    Config("wb", "sync over a cross-region link", sync=True, straggler=False, wan=True),
 )}
 
 
@@ -217,16 +228,21 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
     args = coordinator_args(config, s)
     coordinator = CoordinatorProcess(state_dir=run_dir / "state", args=args)
     learners: list[LearnerProc] = []
+    proxies: list[ThreadedProxy] = []
     duty: DutyCycle | None = None
     budget_steps = LEARNERS * s.steps
     log(f"({config.key}) {config.label}: coordinator {' '.join(args)}")
     try:
         coordinator.start()
+        if config.wan:
+            proxies = [ThreadedProxy(coordinator.address, link=s.wan) for _ in range(LEARNERS)]
+            for proxy in proxies:
+                proxy.start()
         launched = time.monotonic()
         for i in range(LEARNERS):
             stderr = open(run_dir / f"learner-{i}.stderr.log", "w")  # noqa: SIM115
-            process = subprocess.Popen(learner_command(config, s, i, coordinator.address,
-                                                       run_dir),
+            address = proxies[i].address if proxies else coordinator.address
+            process = subprocess.Popen(learner_command(config, s, i, address, run_dir),
                                        stdout=subprocess.PIPE, stderr=stderr, text=True,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
             stderr.close()
@@ -277,6 +293,7 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
             f"{steps_at_budget} (steps/s {rates})")
         settle_rounds(coordinator, s.grace_max_s + 3.0)
         status = coordinator.status()
+        links = [proxy.describe() for proxy in proxies]
     finally:
         if duty is not None:
             duty.stop()
@@ -284,6 +301,8 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
             if lp.process.poll() is None:
                 lp.process.kill()
                 lp.process.wait()
+        for proxy in proxies:
+            proxy.stop()
         coordinator.stop()
     summaries = [lp.summary for lp in learners if lp.started_at is not None]
     if any(summary is None for summary in summaries):
@@ -316,6 +335,8 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
         "dropped": [summary.get("dropped") for summary in summaries if summary],
         "versions": {f.fragment: f.version for f in status.fragments},
         "rejections": dict(status.rejections),
+        # What each learner's link carried, up (to the coordinator) and down.
+        "link_bytes": [[link["bytes_up"], link["bytes_down"]] for link in links],
     }
     log(f"  global model held-out loss {global_loss:.4f} (learners' own: "
         f"{', '.join(f'{x:.4f}' for x in ends)}); {sum(tokens):,} tokens; "
@@ -439,16 +460,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="configurations to run, of a,b,b1,c,sa,sb (default "
                              "a,b,c,sa,sb: b1, a second sync reference, only on request, "
                              "which keeps the full run within 6 minutes)")
+    parser.add_argument("--wan", action="store_true",
+                        help="also run (wa) async and (wb) sync with every learner behind a "
+                             "proxy set to a cross-region link")
+    parser.add_argument("--wan-latency-ms", type=float, default=25.0,
+                        help="--wan: the link's one-way latency (default 25)")
+    parser.add_argument("--wan-mbit", type=float, default=100.0,
+                        help="--wan: the link's bandwidth in Mbit/s, each direction "
+                             "(default 100)")
     parser.add_argument("--out", type=Path,
                         help="keep event logs and state here (default: a temporary directory)")
     args = parser.parse_args(argv)
-    chosen = args.only or "a,b,c,sa,sb"
+    chosen = args.only or ("a,b,c,sa,sb,wa,wb" if args.wan else "a,b,c,sa,sb")
     only = [key.strip() for key in chosen.split(",") if key.strip()]
     unknown = [key for key in only if key not in (*CONFIGS, "c")]
     if unknown:
-        parser.error(f"unknown configurations {unknown}; choose from a, b, b1, c, sa, sb")
+        parser.error(f"unknown configurations {unknown}; choose from a, b, b1, c, sa, sb, "
+                     f"wa, wb")
     if args.slowdown < 1:
         parser.error("--slowdown must be at least 1")
+    try:
+        wan = LinkSpec(latency_ms=args.wan_latency_ms, bandwidth_bytes_s=args.wan_mbit * 1e6 / 8)
+    except ValueError as exc:
+        parser.error(f"--wan-latency-ms/--wan-mbit: {exc}")
 
     def interrupted(signum: int, _frame: object) -> None:
         # Unwinds through every `finally`, which stops the learners and the coordinator.
@@ -467,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
                 10.0 if args.quick else 80.0),
             slowdown=args.slowdown, period_s=args.period,
             baseline_threads=args.baseline_threads,
-            progress_every=1 if args.quick else 2, out=args.out or Path(tmp))
+            progress_every=1 if args.quick else 2, out=args.out or Path(tmp), wan=wan)
         emit(run(s, only))
 
 
@@ -493,6 +527,8 @@ def run(s: Settings, only: list[str]) -> dict[str, Any]:
         return top / bottom if top is not None and bottom else None
 
     wall_a, wall_b = figure("a", "wall_s"), figure("b", "wall_s")
+    wan_wall_ratio = ratio(figure("wb", "wall_s"), figure("wa", "wall_s"))
+    wan_loss_ratio = ratio(figure("wa", "eval_loss"), figure("wb", "eval_loss"))
     return {
         "name": "convergence",
         "ratio": ratio(figure("a", "eval_loss"), figure("b", "eval_loss")),
@@ -520,6 +556,16 @@ def run(s: Settings, only: list[str]) -> dict[str, Any]:
         else None,
         "wall_straggler_a_s": figure("sa", "wall_s"),
         "wall_straggler_b_s": figure("sb", "wall_s"),
+        "wan_wall_ratio": wan_wall_ratio,
+        "wan_wall_target": 1.3,
+        "wan_loss_ratio": wan_loss_ratio,
+        "wan_loss_target": 1.03,
+        "wan_unit": "over the cross-region link: wall-clock to the token budget sync / async, "
+                    "and held-out loss async / sync",
+        "loss_wan_a": figure("wa", "eval_loss"),
+        "loss_wan_b": figure("wb", "eval_loss"),
+        "wall_wan_a_s": figure("wa", "wall_s"),
+        "wall_wan_b_s": figure("wb", "wall_s"),
         "settings": {
             "task": TASK, "size": s.size, "learners": LEARNERS,
             "steps_per_learner": s.steps, "tokens_per_learner_step": tokens_per_step,
@@ -534,6 +580,8 @@ def run(s: Settings, only: list[str]) -> dict[str, Any]:
             "sync_averaging": {"sync_mode": LEARNERS, "lockstep": True, "outer_lr": 1.0,
                                "outer_momentum": 0.0},
             "single": {"batch_multiplier": LEARNERS, "threads": s.baseline_threads},
+            "wan_link": {"latency_ms": s.wan.latency_ms,
+                         "bandwidth_mbit": s.wan.bandwidth_bytes_s * 8 / 1e6},
             "device_ms": s.device_ms,
             "straggler": {"learner": STRAGGLER, "slowdown": s.slowdown,
                           "device_ms": s.device_ms * s.slowdown, "period_s": s.period_s,
