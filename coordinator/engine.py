@@ -701,7 +701,7 @@ class Engine:
             sync_s = self.clock() - started
             policy.record_sync_time(fragment, sync_s)
         attrs = {"fragment": str(fragment)}
-        self.metrics.rounds.add(1, {**attrs, "why": close.why})
+        self.metrics.rounds_committed.add(1, {**attrs, "why": close.why})
         self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
         self.metrics.grace.record(close.grace_s, attrs)
         self.metrics.sync_time.record(sync_s, attrs)

@@ -108,8 +108,9 @@ class Metrics:
         self.provider = MeterProvider(metric_readers=readers, views=VIEWS,
                                       resource=telemetry.resource("ftsync-coordinator"))
         meter = self.provider.get_meter("ftsync.coordinator")
-        self.rounds = meter.create_counter(
-            "ftsync_rounds", description="rounds committed, per fragment and why each closed")
+        self.rounds_committed = meter.create_counter(
+            "ftsync_rounds_committed",
+            description="rounds committed, per fragment and why each closed")
         self.contributions = meter.create_counter(
             "ftsync_contributions", description="contributions folded into a round")
         self.rejections = meter.create_counter(

@@ -177,7 +177,7 @@ def test_learner_and_daemon_metrics_arrive_over_otlp(
     wanted = ("ftsync_learner_pushes", "ftsync_learner_backlog", "ftsync_learner_apply_lag",
               "ftsync_learner_tokens_per_s")
     wait_until(lambda: all(otlp.metric("ftsync-learner", name) for name in wanted)
-               and otlp.metric("ftsync-coordinator", "ftsync_rounds"), timeout=30,
+               and otlp.metric("ftsync-coordinator", "ftsync_rounds_committed"), timeout=30,
                message="the learner's and the daemon's metrics")
     pushes = otlp.metric("ftsync-learner", "ftsync_learner_pushes")[-1]
     acked = [p for p in pushes.sum.data_points
