@@ -258,7 +258,7 @@ class Engine:
         if epoch >= self.known_epoch:
             self.replicated[record.fragment] = (epoch, record.version)
         self.events.emit("replicated", fragment=record.fragment, version=record.version,
-                         epoch=record.epoch, leader_epoch=epoch)
+                         epoch=epoch, commit_epoch=record.epoch)
         return self.known_epoch
 
     async def drain(self, timeout_s: float) -> Drained:

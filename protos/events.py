@@ -155,10 +155,12 @@ class StepDown(TypedDict):
 
 
 class Replicated(TypedDict):
+    """As `ReplicaHeader` names them: `epoch` is the sending leader's, `commit_epoch`
+    the epoch the version was committed in."""
     fragment: int
     version: int
     epoch: int
-    leader_epoch: int
+    commit_epoch: int
 
 
 class Drain(TypedDict):
