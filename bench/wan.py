@@ -5,8 +5,11 @@ A real `python -m coordinator` process (`fsync=false`: the network path, not the
 a real learner client (`learner.client.SynchronizerClient`, whatever transport it picks)
 talk through the fault proxy run as a process of its own (`python -m chaos.proxy`) set to
 a link of `--latency-ms` one way (default 25) and `--bandwidth-mbit` in each direction
-(default 1000: 1 Gbit/s). The proxy forwards any TCP, so gRPC and a bulk channel alike
-cross the link when they go through its port.
+(default 1000: 1 Gbit/s). The proxy forwards any TCP and listens on 127.0.0.2, mirroring
+every port the daemon listens on besides its gRPC one: a second connection the protocol
+opens to "the coordinator's host, port N" (a bulk channel) crosses the same link and cannot
+go around it; `connections_by_port` says which of the daemon's ports the connections
+went to (a mirrored port's: a second channel carried bytes).
 
 One exchange is what a learner does with each fragment: push an outer gradient, and once
 every push is acknowledged, pull the merged version back. All fragments are pushed at once
@@ -51,7 +54,7 @@ from bench.transfer import (
     split,
 )
 from chaos.local import CoordinatorProcess
-from chaos.proxy import LinkSpec, control
+from chaos.proxy import LinkSpec, control, listening_ports
 from learner.client import Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos.codec import codec_named, iter_chunk_messages
@@ -67,16 +70,18 @@ class ProxyProcess:
 
     upstream: str
     link: LinkSpec
+    mirror_ports: list[int]
     process: subprocess.Popen[str] | None = None
     address: str = ""
     control: str = ""
 
     def start(self) -> ProxyProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "chaos.proxy", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", "chaos.proxy", "--listen", "127.0.0.2:0",
              "--upstream", self.upstream, "--control", "127.0.0.1:0",
              "--latency-ms", str(self.link.latency_ms),
-             "--bandwidth-bytes-s", str(self.link.bandwidth_bytes_s)],
+             "--bandwidth-bytes-s", str(self.link.bandwidth_bytes_s),
+             *(f"--mirror-port={port}" for port in self.mirror_ports)],
             stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -197,11 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-wan-") as tmp:
         daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
                                     args=["--set", "fsync=false"]).start()
-        proxy = ProxyProcess(daemon.address, link)
+        assert daemon.process is not None
+        mirrored = [p for p in listening_ports(daemon.process.pid) if p != daemon.port]
+        proxy = ProxyProcess(daemon.address, link, mirrored)
         try:
             proxy.start()
             runs = asyncio.run(run_link(proxy.address, proxy, sizes, theta, delta,
                                         args.chunk_bytes, args.rounds))
+            routes = control(proxy.control, "describe")["connections_by_port"]
         finally:
             proxy.stop()
             daemon.stop()
@@ -236,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         "int8_push_speedup": codecs["int8"]["push_speedup_vs_fp32"],
         "e3m0_push_speedup": codecs["e3m0"]["push_speedup_vs_fp32"],
         "pull_compressed": False,
+        "grpc_port": daemon.port,
+        "mirrored_ports": mirrored,
+        "connections_by_port": routes,
         "link": {"latency_ms": link.latency_ms, "bandwidth_mbit": args.bandwidth_mbit},
         "params": args.params,
         "fragments": args.fragments,

@@ -27,18 +27,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
+import os
 import socket
 import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 __all__ = ["DelayLine", "FaultProxy", "LinkSpec", "ProxyStats", "ThreadedProxy",
-           "TokenBucket", "control", "parse_address"]
+           "TokenBucket", "control", "listening_ports", "parse_address"]
 
 T = TypeVar("T")
 
@@ -69,6 +72,26 @@ def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"upstream address {address!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on (Linux `/proc`): what a proxy in
+    front of it mirrors so that every connection to it crosses the link,
+    whatever ports its protocol hands out."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
 
 
 @dataclass
@@ -263,13 +286,28 @@ class FaultProxy:
     Use on a running asyncio loop: `port = await proxy.start()`, then the fault
     methods (plain methods, to be called on that loop's thread), then
     `await proxy.stop()`. From other threads use `ThreadedProxy`.
+
+    `mirror_ports` are further ports of the upstream's host that the proxy
+    carries over the same link and faults, each listened on at the same number
+    on `host`: a client told to open a second connection to "the coordinator's
+    host, port N" (the bulk channel's ticket names only a port) reaches it
+    through the proxy. `host` must then be another address than the
+    upstream's (e.g. 127.0.0.2 for an upstream on 127.0.0.1), or the ports clash.
     """
 
     def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
-                 port: int = 0, link: LinkSpec | None = None) -> None:
+                 port: int = 0, link: LinkSpec | None = None,
+                 mirror_ports: tuple[int, ...] = ()) -> None:
         self.upstream = parse_address(upstream)
         self.host = host
         self.port = port
+        self.mirror_ports = tuple(mirror_ports)
+        bad = [p for p in self.mirror_ports if not 0 < p < 65536]
+        if bad:
+            raise ValueError(f"mirrored port {bad[0]} is not a port (1..65535)")
+        if self.mirror_ports and host == self.upstream[0]:
+            raise ValueError(f"mirrored ports need a proxy host other than the upstream's "
+                             f"({host}): listen on another address, e.g. 127.0.0.2")
         self.link = link or LinkSpec()
         self.stats = ProxyStats()
         self._latency_s = self.link.latency_ms / 1000.0
@@ -278,7 +316,9 @@ class FaultProxy:
         self._stopping = False
         self._buckets = {"up": TokenBucket(self._bandwidth), "down": TokenBucket(self._bandwidth)}
         self._connections: set[_Connection] = set()
-        self._server: asyncio.Server | None = None
+        # Connections accepted per upstream port: which route carried what.
+        self._accepted_by_port: dict[int, int] = {}
+        self._servers: list[asyncio.Server] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -290,16 +330,27 @@ class FaultProxy:
         self._loop = asyncio.get_running_loop()
         for bucket in self._buckets.values():  # full from now, on this loop's clock
             bucket.set_rate(self._bandwidth, self._now())
-        self._server = await asyncio.start_server(self._handle, self.host, self.port,
-                                                  limit=_STREAM_LIMIT)
-        self.port = self._server.sockets[0].getsockname()[1]
+        upstream_host = self.upstream[0]
+        routes = [(self.port, self.upstream),
+                  *((port, (upstream_host, port)) for port in self.mirror_ports)]
+        try:
+            for listen_port, upstream in routes:
+                self._servers.append(await asyncio.start_server(
+                    functools.partial(self._handle, upstream), self.host, listen_port,
+                    limit=_STREAM_LIMIT))
+        except OSError:
+            for server in self._servers:
+                server.close()
+            self._servers.clear()
+            raise
+        self.port = self._servers[0].sockets[0].getsockname()[1]
         return self.port
 
     async def stop(self) -> None:
         """Close the listener and every connection; nothing is left running."""
         self._stopping = True
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         # A connection accepted just before the listener closed registers late.
         while self._connections:
             connections = list(self._connections)
@@ -311,9 +362,9 @@ class FaultProxy:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*handlers, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()
 
     # -- faults -----------------------------------------------------------------------
 
@@ -374,6 +425,8 @@ class FaultProxy:
         return {
             "listen": self.address,
             "upstream": f"{self.upstream[0]}:{self.upstream[1]}",
+            "mirror_ports": list(self.mirror_ports),
+            "connections_by_port": {str(p): n for p, n in self._accepted_by_port.items()},
             "link": asdict(self.link),
             "latency_ms": self._latency_s * 1000.0,
             "bandwidth_bytes_per_s": self._bandwidth,
@@ -397,18 +450,19 @@ class FaultProxy:
             self.stats.connections_reset += 1
             connection.abort()
 
-    async def _handle(self, client_reader: asyncio.StreamReader,
+    async def _handle(self, upstream: tuple[str, int], client_reader: asyncio.StreamReader,
                       client_writer: asyncio.StreamWriter) -> None:
         handler = asyncio.current_task()
         assert handler is not None
         connection = _Connection(client_writer, handler)
         self._connections.add(connection)
         self.stats.connections_accepted += 1
+        self._accepted_by_port[upstream[1]] = self._accepted_by_port.get(upstream[1], 0) + 1
         self.stats.connections_active += 1
         if self._stopping:
             connection.abort()
         try:
-            await self._serve(connection, client_reader)
+            await self._serve(connection, client_reader, upstream)
         except OSError:
             # A reset or refusal on either side: the connection is over.
             connection.abort()
@@ -419,7 +473,8 @@ class FaultProxy:
                 if writer is not None:
                     writer.close()
 
-    async def _serve(self, connection: _Connection, client_reader: asyncio.StreamReader) -> None:
+    async def _serve(self, connection: _Connection, client_reader: asyncio.StreamReader,
+                     upstream: tuple[str, int]) -> None:
         if connection.aborted:
             return
         if self._partitioned:
@@ -429,7 +484,7 @@ class FaultProxy:
             while data := await client_reader.read(_READ_BYTES):
                 self.stats.bytes_discarded_up += len(data)
             return
-        host, port = self.upstream
+        host, port = upstream
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(
                 host, port, limit=_STREAM_LIMIT)
@@ -531,8 +586,10 @@ class ThreadedProxy:
     callers; each method returns once the proxy has applied it."""
 
     def __init__(self, upstream: str | tuple[str, int], *, host: str = "127.0.0.1",
-                 port: int = 0, link: LinkSpec | None = None, timeout_s: float = 10.0) -> None:
-        self.proxy = FaultProxy(upstream, host=host, port=port, link=link)
+                 port: int = 0, link: LinkSpec | None = None,
+                 mirror_ports: tuple[int, ...] = (), timeout_s: float = 10.0) -> None:
+        self.proxy = FaultProxy(upstream, host=host, port=port, link=link,
+                                mirror_ports=mirror_ports)
         self.timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -662,9 +719,10 @@ def _command(proxy: FaultProxy, line: str) -> dict[str, Any]:
     return proxy.describe()
 
 
-async def _serve(listen: str, upstream: str, control_listen: str, link: LinkSpec) -> None:
+async def _serve(listen: str, upstream: str, control_listen: str, link: LinkSpec,
+                 mirror_ports: tuple[int, ...]) -> None:
     host, port = parse_address(listen)
-    proxy = FaultProxy(upstream, host=host, port=port, link=link)
+    proxy = FaultProxy(upstream, host=host, port=port, link=link, mirror_ports=mirror_ports)
     await proxy.start()
 
     async def on_control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -714,15 +772,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-bytes-s", type=float, default=0.0,
                         help="the link's bandwidth cap, each direction, all connections "
                              "together (default 0: no cap); 1 Gbit/s is 125000000")
+    parser.add_argument("--mirror-port", type=int, action="append", default=[], metavar="PORT",
+                        help="also carry this port of the upstream's host over the link, "
+                             "listened on at the same number on the --listen host, which must "
+                             "differ from the upstream's (repeatable)")
     args = parser.parse_args(argv)
     try:
         link = LinkSpec(latency_ms=args.latency_ms, bandwidth_bytes_s=args.bandwidth_bytes_s)
         for address in (args.listen, args.upstream, args.control):
             parse_address(address)
+        # Refused before anything listens, as the proxy would refuse it.
+        FaultProxy(args.upstream, host=parse_address(args.listen)[0],
+                   mirror_ports=tuple(args.mirror_port))
     except ValueError as exc:
         parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args.listen, args.upstream, args.control, link))
+        asyncio.run(_serve(args.listen, args.upstream, args.control, link,
+                           tuple(args.mirror_port)))
 
 
 if __name__ == "__main__":

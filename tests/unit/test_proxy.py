@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
 import socket
 import socketserver
@@ -27,6 +28,7 @@ from chaos.proxy import (
     ThreadedProxy,
     TokenBucket,
     control,
+    listening_ports,
     parse_address,
 )
 
@@ -75,7 +77,7 @@ async def proxied_echo(link: LinkSpec | None = None) -> AsyncIterator[FaultProxy
 
 
 async def connect(proxy: FaultProxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection("127.0.0.1", proxy.port, limit=1 << 20)
+    return await asyncio.open_connection(proxy.host, proxy.port, limit=1 << 20)
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0,
@@ -482,7 +484,9 @@ def test_the_proxy_process_takes_its_link_from_flags_and_refuses_bad_ones() -> N
             "--upstream", "127.0.0.1:1", "--control"]
     for flags, named in ((["--latency-ms", "-3"], "latency_ms must be >= 0"),
                          (["--bandwidth-bytes-s", "nan"], "bandwidth_bytes_s must be >= 0"),
-                         (["--latency-ms", "fast"], "invalid float value")):
+                         (["--latency-ms", "fast"], "invalid float value"),
+                         (["--mirror-port", "7"], "other than the upstream's"),
+                         (["--mirror-port", "0"], "not a port")):
         refused = subprocess.run([*base, "127.0.0.1:0", *flags], capture_output=True,
                                  text=True, timeout=30)
         assert refused.returncode == 2 and named in refused.stderr, refused.stderr
@@ -505,3 +509,39 @@ def test_the_proxy_process_takes_its_link_from_flags_and_refuses_bad_ones() -> N
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_mirrored_ports_of_the_upstream_host_cross_the_same_link() -> None:
+    async def scenario() -> None:
+        async with echo_server() as main, echo_server() as second:
+            with pytest.raises(ValueError, match="other than the upstream's"):
+                FaultProxy(("127.0.0.1", main), mirror_ports=(second,))
+            with pytest.raises(ValueError, match="not a port"):
+                FaultProxy(("127.0.0.1", main), host="127.0.0.2", mirror_ports=(0,))
+            assert {main, second} <= set(listening_ports(os.getpid()))
+            proxy = FaultProxy(("127.0.0.1", main), host="127.0.0.2", mirror_ports=(second,),
+                               link=LinkSpec(latency_ms=30))
+            await proxy.start()
+            try:
+                # "The coordinator's host, port N" is the proxy's host at the same number.
+                reader, writer = await asyncio.open_connection("127.0.0.2", second)
+                assert await round_trip(reader, writer) >= 0.06
+                main_reader, main_writer = await connect(proxy)
+                assert await round_trip(main_reader, main_writer) >= 0.06
+                proxy.partition()
+                main_writer.write(b"cut")
+                writer.write(b"cut too")
+                await asyncio.gather(main_writer.drain(), writer.drain())
+                await wait_for(lambda: proxy.stats.bytes_discarded_up == len(b"cutcut too"),
+                               message="both routes to be cut by one partition")
+                assert proxy.describe()["mirror_ports"] == [second]
+                assert proxy.describe()["connections_by_port"] == {str(main): 1, str(second): 1}
+                assert proxy.stats.connections_accepted == 2
+                writer.close()
+                main_writer.close()
+            finally:
+                await proxy.stop()
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.2", second)
+
+    asyncio.run(scenario())
