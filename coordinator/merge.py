@@ -19,6 +19,9 @@ import numpy as np
 from coordinator.config import OuterConfig
 from coordinator.policy import MergeRule
 
+# The square sum lives with the codec, which takes it while decoding; re-exported here.
+from protos.codec import norm_sq as norm_sq
+
 # Elements per block of the outer step: small enough to stay in cache.
 _BLOCK = 1 << 16
 
@@ -99,18 +102,6 @@ def outer_step(config: OuterConfig, params: np.ndarray, momentum: np.ndarray,
         np.multiply(d, neg_lr, out=d)
         np.add(d, params[start:start + _BLOCK], out=d)
     return delta
-
-
-def norm_sq(values: np.ndarray) -> float:
-    """Σ v² of a chunk; NaN or Inf when any value is non-finite. Summed in fp32,
-    again in fp64 when that overflows: values pre-multiplied by large token
-    weights can square past fp32's range while every one is finite."""
-    with np.errstate(over="ignore"):
-        fast = float(np.dot(values, values))
-    if math.isfinite(fast) or not np.isfinite(values).all():
-        return fast
-    wide = values.astype(np.float64)
-    return float(np.dot(wide, wide))
 
 
 def first_non_finite(values: np.ndarray) -> int | None:

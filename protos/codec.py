@@ -81,6 +81,36 @@ class Codec(abc.ABC):
         Overflow and NaN arithmetic stay quiet: the synchronizer checks finiteness itself and
         names the reason, and a warning per chunk would only be noise.
         """
+        if self._checked(data, scale, out):
+            with np.errstate(over="ignore", invalid="ignore"):
+                self._decode_into(data, scale, out, weight)
+
+    def decode_norm_into(
+        self, data: bytes | memoryview, scale: float, out: Floats, weight: float = 1.0
+    ) -> float:
+        """`decode_into`, returning Σ out² (`norm_sq`) from the same pass.
+
+        The synchronizer needs every contribution's norm: squaring each cache-sized block
+        right after it is decoded reads it from cache, where a pass over the whole chunk
+        afterwards reads it back from memory on a machine whose cache holds less than a
+        chunk. `data` may be `out`'s own memory (an fp32 frame received in place): each
+        element is read before it is written."""
+        if not self._checked(data, scale, out):
+            return math.nan
+        view = memoryview(data).cast("B")
+        total = 0.0
+        with np.errstate(over="ignore", invalid="ignore"):
+            for start in range(0, out.shape[0], _BLOCK):
+                block = out[start : start + _BLOCK]
+                first = self.encoded_bytes(start)
+                self._decode_into(view[first : first + self.encoded_bytes(block.shape[0])],
+                                  scale, block, weight)
+                total += norm_sq(block)
+        return total
+
+    def _checked(self, data: bytes | memoryview, scale: float, out: Floats) -> bool:
+        """Refuse a wrong byte count or scale; False (`out` filled with NaN) for a
+        non-finite scale, which leaves nothing to decode."""
         if out.dtype != np.float32 or out.ndim != 1 or not out.flags.c_contiguous:
             raise CodecError(
                 f"out must be a contiguous 1-D float32 array, got {out.dtype} of shape {out.shape}"
@@ -95,9 +125,8 @@ class Codec(abc.ABC):
                 raise CodecError(f"{self.name} scale must be >= 0, got {scale}")
             if not math.isfinite(scale):
                 out.fill(math.nan)
-                return
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._decode_into(data, scale, out, weight)
+                return False
+        return True
 
     @abc.abstractmethod
     def _encode(self, values: Floats) -> tuple[bytes, float]: ...
@@ -363,6 +392,18 @@ def _blockwise(values: Floats, encode_block: Callable[[Floats], bytes]) -> bytes
     """Encode cache-sized blocks, so only the joined result is a full-size allocation."""
     blocks = range(0, values.shape[0], _BLOCK)
     return b"".join([encode_block(values[start : start + _BLOCK]) for start in blocks])
+
+
+def norm_sq(values: Floats) -> float:
+    """Σ v² of a chunk; NaN or Inf when any value is non-finite. Summed in fp32,
+    again in fp64 when that overflows: values pre-multiplied by large token
+    weights can square past fp32's range while every one is finite."""
+    with np.errstate(over="ignore"):
+        fast = float(np.dot(values, values))
+    if math.isfinite(fast) or not np.isfinite(values).all():
+        return fast
+    wide = values.astype(np.float64)
+    return float(np.dot(wide, wide))
 
 
 def _absmax(values: Floats) -> float:

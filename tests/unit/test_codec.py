@@ -185,6 +185,58 @@ def test_decode_accepts_a_memoryview(codec: Codec) -> None:
     np.testing.assert_array_equal(out, round_trip(codec, x))
 
 
+# Decoding with the norm in the same pass ---------------------------------------------------
+
+
+@codecs
+@pytest.mark.parametrize("count", [1, 7, (1 << 17) - 1, (1 << 17) + 1, 3 * (1 << 17) + 5])
+def test_decode_norm_writes_what_decode_does_and_its_square_sum(codec: Codec,
+                                                                count: int) -> None:
+    # Sizes on both sides of the codec's block, odd ones too (e3m0 packs two per byte).
+    x = np.random.default_rng(count).standard_normal(count).astype(np.float32)
+    data, scale = codec.encode(x)
+    expected = np.empty_like(x)
+    codec.decode_into(data, scale, expected, 0.375)
+    out = np.full_like(x, np.nan)
+    total = codec.decode_norm_into(data, scale, out, 0.375)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    # Summed in fp32 by blocks rather than over the whole vector: as close to the exact sum.
+    assert total == pytest.approx(float(np.sum(np.square(expected.astype(np.float64)))),
+                                  rel=1e-4)
+
+
+def test_decode_norm_weights_an_fp32_frame_received_in_place() -> None:
+    # The bulk channel receives fp32 frames straight into the staging buffer.
+    x = np.random.default_rng(0).standard_normal(300_001).astype(np.float32)
+    staging = x.copy()
+    total = FP32.decode_norm_into(staging.data.cast("B"), 1.0, staging, 2.0)
+    np.testing.assert_array_equal(staging, np.float32(2.0) * x)
+    assert total == pytest.approx(float(np.sum(np.square(2.0 * x.astype(np.float64)))),
+                                  rel=1e-5)
+
+
+@pytest.mark.parametrize("codec", [INT8, E3M0], ids=lambda c: c.name)
+def test_decode_norm_of_a_non_finite_scale_is_nan(codec: Codec) -> None:
+    out = np.zeros(10, np.float32)
+    assert math.isnan(codec.decode_norm_into(bytes(codec.encoded_bytes(10)), math.inf, out))
+    assert np.isnan(out).all()
+
+
+def test_decode_norm_of_a_non_finite_value_is_not_finite() -> None:
+    x = np.ones(200_000, np.float32)
+    x[150_000] = math.inf
+    data, scale = FP32.encode(x)
+    assert not math.isfinite(FP32.decode_norm_into(data, scale, np.empty_like(x)))
+
+
+@codecs
+def test_decode_norm_checks_the_byte_count_before_writing(codec: Codec) -> None:
+    out = np.zeros(16, np.float32)
+    with pytest.raises(CodecError, match=f"{codec.name} needs {codec.encoded_bytes(16)} bytes"):
+        codec.decode_norm_into(bytes(codec.encoded_bytes(16) + 1), 1.0, out)
+    assert not out.any()
+
+
 # Non-finite values -------------------------------------------------------------------------
 
 
@@ -336,7 +388,7 @@ def test_codec_lookup_by_wire_value_and_name() -> None:
 
 def test_encode_wants_a_float32_vector() -> None:
     with pytest.raises(CodecError, match=r"1-D float32 array, got float64 of shape \(3,\)"):
-        FP32.encode(np.zeros(3))
+        FP32.encode(np.zeros(3))  # type: ignore[arg-type]
     with pytest.raises(CodecError, match=r"1-D float32 array, got float32 of shape \(2, 2\)"):
         list(iter_chunks(np.zeros((2, 2), np.float32), FP32))
 
