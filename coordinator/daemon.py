@@ -38,10 +38,13 @@ from coordinator.tasks import cancel_and_wait
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import telemetry, tls
+from protos.bulk import BulkServer, Tickets
 from protos.codec import MESSAGE_SIZE_OPTIONS
 
 # How long a drain waits when the request names no time (DrainRequest.timeout_s).
 DRAIN_TIMEOUT_S = 30.0
+# How long a bulk ticket waits for its connection: a learner opens it at once.
+BULK_TICKET_S = 30.0
 
 
 def tune_allocator() -> None:
@@ -136,8 +139,14 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         material = server_tls(config)
     except tls.TlsError as exc:
         raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
+    def bulk_refused(reason: str, learner_id: str, message: str) -> None:
+        engine.record_rejection("Bulk", learner_id, Rejected(Reason(reason), message))
+
+    # Pushes and pulls move their bytes here; TLS with the gRPC side's certificates.
+    bulk = BulkServer(Tickets(BULK_TICKET_S), tls.server_context(material) if material else None,
+                      bulk_refused, idle_s=config.limits.push_idle_s)
     try:
-        engine = Engine(config)
+        engine = Engine(config, bulk=bulk)
     except OSError as exc:  # the state directory, the event log, the metrics port
         raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
     await engine.start()
@@ -159,6 +168,12 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         await engine.stop()
         raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}: the address "
                          f"is in use or not on this machine")
+    try:
+        await bulk.start(host.strip("[]"))
+    except OSError as exc:
+        await engine.stop()
+        raise SystemExit(f"ftsync-coordinator: cannot open a bulk port on {host}: "
+                         f"{exc}") from None
     replica = Replica(engine, config, f"{host}:{port}", material) if config.ha.enabled else None
     drainer = Drainer(engine, replica)
     health = Health(engine)
@@ -192,6 +207,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         if replica is not None:
             await replica.stop()
         await server.stop(grace=2.0)
+        await bulk.stop()
         await engine.stop()
     if drainer.done.is_set():
         print("ftsync-coordinator: drained and stopped; restart it (upgraded) on the same "

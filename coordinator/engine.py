@@ -40,6 +40,7 @@ from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
+from protos.bulk import BulkServer, Grant, Handoff, receive_frames, taken
 from protos.codec import Codec, CodecError, codec_for
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamEnded, StreamError
@@ -51,6 +52,10 @@ _BYTES_PER_PARAM = 12
 # How long a push stream that ended early waits for gRPC to cancel its call
 # (cut short) before it is refused as incomplete (the learner sent too little).
 _CUT_NOTICE_S = 0.5
+
+
+# Tells a learner pushing on the bulk channel its ticket and the bulk port.
+Announce = Callable[[bytes, int], Awaitable[None]]
 
 
 def physical_memory() -> int:
@@ -110,8 +115,12 @@ class Engine:
 
     def __init__(self, config: CoordinatorConfig,
                  clock: Callable[[], float] = time.monotonic,
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None,
+                 bulk: BulkServer | None = None) -> None:
         self.config = config
+        # The bulk port pushes and pulls asked with `bulk` move their bytes on; None:
+        # every transfer goes as gRPC chunks.
+        self.bulk = bulk
         self.clock = clock
         self.started_at = clock()
         self.state = StateDir(config.state_dir, fsync=config.fsync)
@@ -428,9 +437,13 @@ class Engine:
 
     # -- pushes ---------------------------------------------------------------
 
-    async def push(self, header: pb.PushHeader,
-                   chunks: AsyncIterator[pb.PushMessage]) -> PushResult:
-        """Receive one contribution (or a fragment's initial value) and fold it in."""
+    async def push(self, header: pb.PushHeader, chunks: AsyncIterator[pb.PushMessage],
+                   announce: Announce | None = None) -> PushResult:
+        """Receive one contribution (or a fragment's initial value) and fold it in.
+
+        With `announce` (the push asked for the bulk channel) the chunks come as
+        frames on a bulk connection: `announce(ticket, port)` tells the learner where,
+        once the header is checked and a staging buffer is free."""
         self.require_leader()
         policy, store = self._policy(), self._store()
         policy.require_member(header.learner_id)
@@ -461,7 +474,7 @@ class Engine:
         else:
             prescale = policy.admit(offer, self.clock()).weight
         try:
-            return await self._fold_in(header, codec, chunks, offer, prescale)
+            return await self._fold_in(header, codec, chunks, offer, prescale, announce)
         except StreamEnded as ended:
             # Outside the staging lease, which other pushes may be waiting for.
             await self.wait_out_cut(header)
@@ -495,7 +508,7 @@ class Engine:
 
     async def _fold_in(self, header: pb.PushHeader, codec: Codec,
                        chunks: AsyncIterator[pb.PushMessage], offer: Offer,
-                       prescale: float) -> PushResult:
+                       prescale: float, announce: Announce | None) -> PushResult:
         """Receive the contribution into a staging buffer and fold it into the round
         (or make it the fragment's version 0)."""
         policy, store, p = self._policy(), self._store(), header.fragment
@@ -506,7 +519,7 @@ class Engine:
                              seq=header.seq, waited_s=round(self.clock() - asked_at, 4))
             with self._counting_cuts(header):
                 norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,
-                                                   prescale)
+                                                   prescale, announce)
             stats = self.learners.setdefault(header.learner_id, LearnerStats())
             stats.bytes_in += nbytes
             self.metrics.bytes_in.add(nbytes)
@@ -540,9 +553,10 @@ class Engine:
 
     async def _receive(self, header: pb.PushHeader, codec: Codec,
                        messages: AsyncIterator[pb.PushMessage], out: np.ndarray,
-                       prescale: float) -> tuple[float, int]:
-        """Decode the chunk stream into `out` as `prescale · values`, checking order,
-        sizes and values; returns (‖values‖, bytes received)."""
+                       prescale: float, announce: Announce | None) -> tuple[float, int]:
+        """Decode the chunks (on the call, or frames on a bulk connection) into `out`
+        as `prescale · values`, checking order, sizes and values; returns
+        (‖values‖, bytes received)."""
         reader = ChunkReader(out.size, f"fragment {header.fragment}", codec)
         stream = aiter(messages)
         total_sq = 0.0
@@ -555,12 +569,18 @@ class Engine:
             return self._next_message(header, stream, reader.received)
 
         try:
-            await reader.read_into(receive, out, prescale, fold_norm)
-            reader.refuse_more(await receive())
+            if announce is not None and self.bulk is not None:
+                transport = await self._receive_bulk(header, reader, stream, receive, announce,
+                                                     out, prescale, fold_norm)
+            else:
+                await reader.read_into(receive, out, prescale, fold_norm)
+                reader.refuse_more(await receive())
+                transport = "grpc"
         except StreamEnded:
             raise  # cut short, or the learner sent too little: `push` tells which
         except StreamError as exc:
             raise Rejected(Reason(exc.reason), exc.message) from exc
+        self.metrics.transfers.add(1, {"direction": "push", "transport": transport})
         if not math.isfinite(total_sq):
             index = first_non_finite(out)
             if index is not None:
@@ -575,6 +595,64 @@ class Engine:
                            f"outer-gradient norm {norm:.4g} exceeds the bound {bound:.4g} "
                            f"(limits.norm_bound)")
         return norm, reader.nbytes
+
+    async def _receive_bulk(self, header: pb.PushHeader, reader: ChunkReader,
+                            stream: AsyncIterator[pb.PushMessage],
+                            receive: Callable[[], Awaitable[pb.PushMessage | None]],
+                            announce: Announce, out: np.ndarray, prescale: float,
+                            each: Callable[[np.ndarray], None]) -> str:
+        """Hand out a ticket and receive the frames its connection brings; or, when
+        the learner sends chunks on the call instead (it cannot reach the bulk port),
+        those. Returns the transport the bytes took."""
+        bulk = self.bulk
+        assert bulk is not None
+        idle_s = self.config.limits.push_idle_s
+        handoff = Handoff(Grant(header.learner_id, header.fragment, header.base_version))
+        ticket = bulk.tickets.issue(handoff)
+        # The call's next message: a chunk if the learner falls back, else its end.
+        fallback = asyncio.ensure_future(anext(stream, None))
+        try:
+            await announce(ticket, bulk.port)
+            await asyncio.wait((handoff.connection, fallback), timeout=idle_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not handoff.connection.done() and fallback.done():
+                first = fallback.result()
+                if first is not None:
+                    bulk.tickets.withdraw(ticket)
+                    each(reader.accept(first, out, prescale))
+                    await reader.read_into(receive, out, prescale, each)
+                    reader.refuse_more(await receive())
+                    return "grpc_fallback"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(handoff.connection), idle_s)
+            if not handoff.connection.done():
+                self._count_cut(header, reason=Reason.IDLE.value)
+                raise Cut(Reason.IDLE, f"the push of fragment {header.fragment} (seq "
+                                       f"{header.seq}) opened no bulk connection within "
+                                       f"{idle_s:g} s (limits.push_idle_s); push it again")
+            conn = handoff.connection.result()
+            reusable = False
+            try:
+                await bulk.run(conn, lambda: receive_frames(conn, reader, out, prescale, each))
+                await bulk.run(conn, lambda: taken(conn))
+                reusable = True
+            except (OSError, ConnectionError) as exc:
+                self._count_cut(header, reason=Reason.CUT.value)
+                raise Cut(Reason.CUT, f"the bulk connection of the push of fragment "
+                                      f"{header.fragment} (seq {header.seq}) broke after "
+                                      f"{reader.received} of {reader.numel} elements "
+                                      f"({exc}); push it again") from None
+            finally:
+                handoff.release(reusable)
+            # The learner ends the call's stream once its frames are taken.
+            async with asyncio.timeout(idle_s):
+                reader.refuse_more(await fallback)
+            return "bulk"
+        finally:
+            bulk.tickets.withdraw(ticket)
+            handoff.close()
+            if not fallback.done():
+                fallback.cancel()
 
     async def _next_message(self, header: pb.PushHeader,
                             messages: AsyncIterator[pb.PushMessage],

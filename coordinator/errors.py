@@ -42,6 +42,12 @@ class Reason(enum.Enum):
     NO_STANDBY = "no_standby"
     # A call to another version of the contract (another protobuf package).
     VERSION_MISMATCH = "version_mismatch"
+    # The bulk channel: a connection whose ticket is missing, unknown, spent,
+    # expired or another learner's; a frame that fails its checksum; a push whose
+    # bulk connection broke before its last frame (cut, not refused).
+    BAD_TICKET = "bad_ticket"
+    CORRUPT = "corrupt"
+    CUT = "cut"
 
 
 class Rejected(Exception):

@@ -138,6 +138,11 @@ class Metrics:
             "ftsync_bytes_in", unit="By", description="tensor bytes received")
         self.bytes_out = meter.create_counter(
             "ftsync_bytes_out", unit="By", description="tensor bytes sent")
+        self.transfers = meter.create_counter(
+            "ftsync_transfers",
+            description="push and pull transfers by direction and transport: bulk (the "
+                        "bulk channel), grpc (chunks on the call), grpc_fallback (asked "
+                        "for bulk, sent as chunks: the learner could not reach the port)")
 
     def counts(self) -> Counts:
         """Every counter's value now, from the instruments themselves."""

@@ -16,6 +16,7 @@ round span that committed the version it serves (`ftsync-commit-trace`).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,7 @@ from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata, telemetry
+from protos.bulk import Grant, Handoff, send_frames
 from protos.codec import codec_named, iter_chunk_messages
 from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
@@ -74,6 +76,12 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.NO_STANDBY: grpc.StatusCode.FAILED_PRECONDITION,
     # gRPC's own answer to a method it does not serve, with the versions named.
     Reason.VERSION_MISMATCH: grpc.StatusCode.UNIMPLEMENTED,
+    # The bulk channel. A bad ticket is answered on the bulk connection itself; a
+    # corrupt frame and a cut connection are retried by learners: the push is sent
+    # again.
+    Reason.BAD_TICKET: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.CORRUPT: grpc.StatusCode.DATA_LOSS,
+    Reason.CUT: grpc.StatusCode.UNAVAILABLE,
 }
 
 _FP32 = codec_named("fp32")
@@ -165,8 +173,13 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             "ftsync.seq": header.seq, "ftsync.base_version": header.base_version,
             "ftsync.init": header.init})
 
+        async def announce(ticket: bytes, port: int) -> None:
+            await context.send_initial_metadata(((metadata.BULK_TICKET, ticket.hex()),
+                                                 (metadata.BULK_PORT, str(port))))
+
         async def push() -> pb.PushResponse:
-            result = await self.engine.push(header, request_iterator)
+            result = await self.engine.push(header, request_iterator,
+                                            announce if header.bulk else None)
             return pb.PushResponse(seq=result.seq, target_version=result.target_version,
                                    weight=result.weight, staleness=result.staleness,
                                    epoch=self.engine.epoch)
@@ -193,7 +206,10 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         if published.trace is not None:
             await context.send_initial_metadata(
                 ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
-        async for message in self._stream(request.learner_id, request.fragment, published):
+        stream = (self._send_bulk(request.learner_id, request.fragment, published)
+                  if request.bulk and self.engine.bulk is not None else
+                  self._stream(request.learner_id, request.fragment, published))
+        async for message in stream:
             yield message
 
     async def FetchSnapshot(self, request: pb.SnapshotRequest,
@@ -212,17 +228,53 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             async for message in self._stream(request.learner_id, fragment, published):
                 yield message
 
-    async def _stream(self, learner_id: str, fragment: int,
-                      published: Published) -> AsyncIterator[pb.PullMessage]:
-        yield pb.PullMessage(header=pb.PullHeader(
+    def _pull_header(self, learner_id: str, fragment: int, published: Published,
+                     **bulk: Any) -> pb.PullMessage:
+        return pb.PullMessage(header=pb.PullHeader(
             fragment=fragment, version=published.version, numel=published.params.size,
             merged_seq=published.watermarks.get(learner_id, 0), epoch=self.engine.epoch,
-            commit_id=published.commit_id))
+            commit_id=published.commit_id, **bulk))
+
+    async def _stream(self, learner_id: str, fragment: int,
+                      published: Published) -> AsyncIterator[pb.PullMessage]:
+        yield self._pull_header(learner_id, fragment, published)
         for message in iter_chunk_messages(published.params, _FP32, pb.PullMessage,
                                            self.engine.config.limits.chunk_bytes):
             # 4 bytes per fp32 element: reading len(chunk.data) would copy the chunk.
             self.engine.count_sent(4 * message.chunk.count)
             yield message
+        self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
+
+    async def _send_bulk(self, learner_id: str, fragment: int,
+                         published: Published) -> AsyncIterator[pb.PullMessage]:
+        """A header with a ticket, then the committed buffer itself as frames on the
+        connection the ticket opens. A learner that never comes, or goes away, gets
+        nothing more: its pull fails and it pulls again."""
+        bulk = self.engine.bulk
+        assert bulk is not None
+        handoff = Handoff(Grant(learner_id, fragment, published.version))
+        ticket = bulk.tickets.issue(handoff)
+        try:
+            yield self._pull_header(learner_id, fragment, published, ticket=ticket,
+                                    bulk_port=bulk.port)
+            try:
+                async with asyncio.timeout(bulk.tickets.ttl_s):
+                    conn = await asyncio.shield(handoff.connection)
+            except TimeoutError:
+                return
+            reusable = False
+            try:
+                sent = await bulk.run(conn, lambda: send_frames(conn, published.params))
+                reusable = True
+            except (OSError, ConnectionError):
+                return
+            finally:
+                handoff.release(reusable)
+            self.engine.count_sent(sent)
+            self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "bulk"})
+        finally:
+            bulk.tickets.withdraw(ticket)
+            handoff.close()
 
     async def _call(self, rpc: str, learner_id: str, context: Context,
                     handler: Callable[[], T]) -> T:

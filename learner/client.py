@@ -44,6 +44,7 @@ from learner.metrics import LearnerMetrics
 from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos.bulk import BulkError, BulkPool, BulkUnreachable
 from protos.codec import MESSAGE_SIZE_OPTIONS, Codec, codec_named, iter_chunk_messages
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamError
@@ -60,7 +61,9 @@ _CHANNEL_OPTIONS = [
 ]
 # Codes worth retrying: the coordinator is down, restarting or overloaded.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              # A bulk frame that failed its checksum: corrupted on the way, sent again.
+              grpc.StatusCode.DATA_LOSS}
 # Refusals that mean "not here, not now": a standby's, and a draining replica's.
 _GO_ELSEWHERE = ("not_leader", "draining")
 # Pause before asking the leader a replica named, or the next replica.
@@ -177,8 +180,14 @@ class SynchronizerClient:
                  numels: list[int], *, token: str | None = None, overlap_steps: int = 1,
                  codec: str = "fp32", retry: Retry | None = None,
                  events: EventLog | None = None, device: str = "cpu",
-                 tls: TlsMaterial | None = None, metrics: LearnerMetrics | None = None) -> None:
+                 tls: TlsMaterial | None = None, metrics: LearnerMetrics | None = None,
+                 bulk: bool = True) -> None:
         self.learner_id = learner_id
+        # Fragment bytes on the coordinator's bulk port (TLS as the gRPC channel is);
+        # gRPC chunks with `bulk` off, and to a coordinator whose port is unreachable.
+        self.bulk = bulk
+        self._bulk = BulkPool(learner_id, tls)
+        self._no_bulk: set[str] = set()
         # Exported over OTLP when the environment names an endpoint; no-ops otherwise.
         self.metrics = metrics or LearnerMetrics(learner_id)
         # This learner's certificate, for the coordinator, etcd and its peers alike.
@@ -279,6 +288,7 @@ class SynchronizerClient:
                                    metadata=self._metadata, timeout=5)
 
     async def close(self) -> None:
+        self._bulk.close()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close(grace=None)
@@ -441,17 +451,66 @@ class SynchronizerClient:
     async def _push(self, header: pb.PushHeader, values: np.ndarray,
                     codec: Codec) -> pb.PushResponse:
         chunk_bytes = self.chunk_bytes
+        address = self.address
+        bulk = self.bulk and address not in self._no_bulk
+        header.bulk = bulk
+        # "grpc" once the chunks are to follow the header on the call, "bulk" once
+        # they went on the bulk channel (the call's stream then ends).
+        took: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if not bulk:
+            took.set_result("grpc")
 
         async def messages() -> AsyncIterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
-            for message in iter_chunk_messages(values, codec, pb.PushMessage, chunk_bytes):
-                yield message
+            if await took == "grpc":
+                for message in iter_chunk_messages(values, codec, pb.PushMessage,
+                                                   chunk_bytes):
+                    yield message
 
         # The current span (a contribution's push) becomes the admit span's parent.
-        response: pb.PushResponse = await self._stub.PushFragment(
+        call = self._stub.PushFragment(
             messages(), metadata=self._metadata + telemetry.inject(), timeout=300)
+        try:
+            if bulk:
+                took.set_result(await self._push_bulk(call, address, values, codec))
+        finally:
+            if not took.done():
+                took.set_result("bulk")  # nothing more goes on the call
+        response: pb.PushResponse = await call
         self._check_epoch(response.epoch)
         return response
+
+    async def _push_bulk(self, call: Any, address: str, values: np.ndarray,
+                         codec: Codec) -> str:
+        """The frames on the bulk connection the coordinator's ticket names; which
+        transport the bytes take. A refusal of the call itself comes with no ticket,
+        and the call's status says why."""
+        initial = {key: value for key, value in await call.initial_metadata() or ()}
+        ticket, port = initial.get(metadata.BULK_TICKET), initial.get(metadata.BULK_PORT)
+        if not ticket or not port:
+            return "grpc"
+        try:
+            await asyncio.to_thread(self._bulk.push, _host(address), int(port),
+                                    bytes.fromhex(ticket), values, codec)
+        except BulkUnreachable as exc:
+            self._fall_back(address, exc)
+            return "grpc"
+        except BulkError as exc:
+            if exc.reason != "bad_ticket":
+                raise
+            return "grpc"  # the call still waits for the chunks: they go there
+        except (OSError, ConnectionError):
+            pass  # cut: the call's status says why (cut, corrupt), and it is pushed again
+        return "bulk"
+
+    def _fall_back(self, address: str, error: Exception) -> None:
+        """Pushes and pulls to `address` go as gRPC chunks from now on; said once."""
+        if address in self._no_bulk:
+            return
+        self._no_bulk.add(address)
+        self.metrics.bulk_fallbacks.add(1)
+        self.events.emit("bulk_fallback", learner=self.learner_id, coordinator=address,
+                         error=str(error)[:200])
 
     # -- pulls ----------------------------------------------------------------------
 
@@ -461,9 +520,24 @@ class SynchronizerClient:
                                  have_version=have_version, wait_ms=int(wait_s * 1000))
 
         async def pull_once() -> Pulled | None:
+            address = self.address
+            request.bulk = self.bulk and address not in self._no_bulk
             stream = self._stub.PullFragment(request, metadata=self._metadata,
                                              timeout=wait_s + 300)
-            pulled = await self._read_fragments(aiter(stream), only=fragment)
+            try:
+                pulled = await self._read_fragments(aiter(stream), only=fragment,
+                                                    host=_host(address))
+            except (BulkError, OSError, ConnectionError) as exc:
+                if not request.bulk:
+                    raise
+                # The bulk transfer failed: the same version again, as gRPC chunks.
+                stream.cancel()
+                if isinstance(exc, BulkUnreachable):
+                    self._fall_back(address, exc)
+                request.bulk = False
+                stream = self._stub.PullFragment(request, metadata=self._metadata,
+                                                 timeout=wait_s + 300)
+                pulled = await self._read_fragments(aiter(stream), only=fragment)
             if pulled is None:
                 return None
             commit = telemetry.span_context(await stream.initial_metadata(),
@@ -503,9 +577,10 @@ class SynchronizerClient:
         return await self._call(fetch)
 
     async def _read_fragments(self, stream: AsyncIterator[pb.PullMessage],
-                              only: int | None = None) -> Pulled | None:
+                              only: int | None = None, host: str = "") -> Pulled | None:
         """Read the next fragment (header + chunks) of a pull or snapshot stream;
-        None at the end of the stream or for a pull answered not_modified."""
+        None at the end of the stream or for a pull answered not_modified. A header
+        with a ticket has its values come on the bulk port of `host`."""
         while True:
             message = await anext(stream, None)
             if message is None:
@@ -527,7 +602,12 @@ class SynchronizerClient:
                                            f"({len(self.numels)} fragments)")
         values = np.empty(header.numel, dtype=np.float32)
         reader = ChunkReader(header.numel, f"fragment {header.fragment}")
-        await reader.read_into(lambda: anext(stream, None), values)
+        if header.ticket:
+            await asyncio.to_thread(self._bulk.pull, host, header.bulk_port, header.ticket,
+                                    reader, values)
+            reader.refuse_more(await anext(stream, None))
+        else:
+            await reader.read_into(lambda: anext(stream, None), values)
         self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
                                          merged_seq=header.merged_seq,
                                          commit_id=header.commit_id)])
@@ -675,6 +755,11 @@ class SynchronizerClient:
                         # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)
+
+
+def _host(address: str) -> str:
+    """The host of `HOST:PORT` (or `[v6]:PORT`), where the bulk port is too."""
+    return address.rpartition(":")[0].strip("[]")
 
 
 async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",

@@ -54,6 +54,10 @@ class LearnerMetrics:
         self.apply_lag = meter.create_histogram(
             "ftsync_learner_apply_lag", unit="s",
             description="time from a push to applying the merged version pulled for it")
+        self.bulk_fallbacks = meter.create_counter(
+            "ftsync_learner_bulk_fallbacks",
+            description="coordinators whose bulk port could not be reached: pushes and "
+                        "pulls to them go as gRPC chunks")
         self.tokens_per_s = meter.create_gauge(
             "ftsync_learner_tokens_per_s", unit="1/s",
             description="tokens trained per second of work, over a fragment's last sync "

@@ -225,6 +225,13 @@ class Redirect(TypedDict):
     to: str
 
 
+class BulkFallback(TypedDict):
+    """The coordinator's bulk port could not be reached: its transfers go as gRPC chunks."""
+    learner: str
+    coordinator: str
+    error: str
+
+
 class PushInvoke(TypedDict):
     learner: str
     fragment: int
@@ -477,6 +484,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("coordinator", "standby_lost"): StandbyLost,
     ("learner", "join"): LearnerJoin,
     ("learner", "redirect"): Redirect,
+    ("learner", "bulk_fallback"): BulkFallback,
     ("learner", "push_invoke"): PushInvoke,
     ("learner", "push_ack"): LearnerPushAck,
     ("learner", "push_unsent"): PushUnsent,

@@ -101,7 +101,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "layout_hash", "seq", "base_version", "c_tokens", "c_steps", "local_step", "codec", "numel", "init")
+    __slots__ = ("learner_id", "fragment", "layout_hash", "seq", "base_version", "c_tokens", "c_steps", "local_step", "codec", "numel", "init", "bulk")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class PushHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     layout_hash: str
@@ -124,7 +125,8 @@ class PushHeader(_message.Message):
     codec: Codec
     numel: int
     init: bool
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., layout_hash: _Optional[str] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., c_tokens: _Optional[int] = ..., c_steps: _Optional[int] = ..., local_step: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., numel: _Optional[int] = ..., init: bool = ...) -> None: ...
+    bulk: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., layout_hash: _Optional[str] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., c_tokens: _Optional[int] = ..., c_steps: _Optional[int] = ..., local_step: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., numel: _Optional[int] = ..., init: bool = ..., bulk: bool = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "count", "scale", "data")
@@ -161,19 +163,21 @@ class PushResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., target_version: _Optional[int] = ..., weight: _Optional[float] = ..., staleness: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment", "have_version", "wait_ms")
+    __slots__ = ("learner_id", "fragment", "have_version", "wait_ms", "bulk")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     have_version: int
     wait_ms: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., bulk: bool = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id")
+    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id", "ticket", "bulk_port")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +185,8 @@ class PullHeader(_message.Message):
     MERGED_SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
@@ -188,7 +194,9 @@ class PullHeader(_message.Message):
     merged_seq: int
     epoch: int
     commit_id: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    bulk_port: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -20,6 +20,9 @@ from typing import Any, Final
 REASON: Final = "ftsync-reason"
 LEADER: Final = "ftsync-leader"
 MERGED_SEQ: Final = "ftsync-merged-seq"
+# Initial metadata of a push asked with `bulk`: its ticket (hex) and the bulk port.
+BULK_TICKET: Final = "ftsync-bulk-ticket"
+BULK_PORT: Final = "ftsync-bulk-port"
 
 
 def trailing(error: Any, key: str) -> str:

@@ -68,6 +68,31 @@ class ChunkReader:
     def complete(self) -> bool:
         return self.received == self.numel
 
+    def check(self, offset: int, count: int, nbytes: int) -> None:
+        """Refuse a chunk (or bulk frame) out of order, outside the vector, or of the
+        wrong size, before any of its data is read."""
+        if nbytes > MAX_CHUNK_BYTES:
+            raise StreamError("oversize", f"chunk at offset {offset} carries {nbytes} bytes; "
+                                          f"the limit is {MAX_CHUNK_BYTES}")
+        if offset != self.received:
+            raise StreamError("malformed", f"chunk at offset {offset}, expected offset "
+                                           f"{self.received} (chunks go in order, without "
+                                           f"gaps)")
+        if count == 0 or offset + count > self.numel:
+            raise StreamError("bad_shape", f"chunk at offset {offset} with {count} elements "
+                                           f"does not fit {self.subject} of {self.numel} "
+                                           f"elements")
+        need = self.codec.encoded_bytes(count)
+        if nbytes != need:
+            raise StreamError("bad_encoding", f"chunk at offset {offset}: {self.codec.name} "
+                                              f"needs {need} bytes for {count} elements, got "
+                                              f"{nbytes}")
+
+    def taken(self, count: int, nbytes: int) -> None:
+        """A checked chunk's data is in the vector."""
+        self.received += count
+        self.nbytes += nbytes
+
     def accept(self, message: ChunkMessage, out: Floats, weight: float = 1.0) -> Floats:
         """Decode one chunk message into its slice of `out` as `weight · values`;
         returns that slice."""
@@ -76,24 +101,13 @@ class ChunkReader:
                                            f"header, then chunks")
         chunk = message.chunk
         data = chunk.data  # each read of a bytes field copies it: read once
-        if len(data) > MAX_CHUNK_BYTES:
-            raise StreamError("oversize", f"chunk at offset {chunk.offset} carries "
-                                          f"{len(data)} bytes; the limit is {MAX_CHUNK_BYTES}")
-        if chunk.offset != self.received:
-            raise StreamError("malformed", f"chunk at offset {chunk.offset}, expected offset "
-                                           f"{self.received} (chunks go in order, without "
-                                           f"gaps)")
-        if chunk.count == 0 or chunk.offset + chunk.count > self.numel:
-            raise StreamError("bad_shape", f"chunk at offset {chunk.offset} with {chunk.count} "
-                                           f"elements does not fit {self.subject} of "
-                                           f"{self.numel} elements")
+        self.check(chunk.offset, chunk.count, len(data))
         part = out[chunk.offset:chunk.offset + chunk.count]
         try:
             self.codec.decode_into(data, chunk.scale, part, weight)
         except CodecError as exc:
             raise StreamError("bad_encoding", f"chunk at offset {chunk.offset}: {exc}") from exc
-        self.received += chunk.count
-        self.nbytes += len(data)
+        self.taken(chunk.count, len(data))
         return part
 
     async def read_into(self, receive: Callable[[], Awaitable[ChunkMessage | None]],

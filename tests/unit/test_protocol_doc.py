@@ -72,6 +72,8 @@ def test_the_refusal_table_is_the_daemons() -> None:
 def test_the_metadata_keys_are_the_ones_protos_names() -> None:
     keys = {unquoted(row[0]) for row in table("metadata key")}
     assert keys == {metadata.REASON, metadata.LEADER, metadata.MERGED_SEQ}
+    bulk = {unquoted(row[0]) for row in table("initial metadata key")}
+    assert bulk == {metadata.BULK_TICKET, metadata.BULK_PORT}
 
 
 def test_the_codec_table_is_the_codecs() -> None:
