@@ -299,17 +299,19 @@ class Schedule:
         return [self._pull(p, f)]
 
     def pulled(self, p: int, version: int | None, commit_id: int, ticket: int,
-               rewound: bool = False) -> None:
+               rewound: bool = False) -> bool:
         """The pull `ticket` brought `version` (None: none came within its wait,
-        or it failed; the next push pulls again)."""
+        or it failed; the next push pulls again). False when that pull was
+        superseded: the driver drops what it brought."""
         f = self._fragment(p)
         if ticket != f.ticket or f.phase not in _PULLING:
-            return
+            return False
         if version is None:
             f.phase = TRANSITIONS[(f.phase, Event.EMPTY)]
-            return
+            return False
         f.phase = TRANSITIONS[(f.phase, Event.PULLED)]
         f.ready = (version, commit_id, rewound)
+        return True
 
     def published(self, p: int, version: int, commit_id: int) -> None:
         """The coordinator publishes `version` of p under `commit_id` (heartbeats)."""

@@ -1,15 +1,15 @@
 """Streaming fragments for a training loop that never waits.
 
-The training loop calls `step(tokens)` after each inner step. Fragment p is
-due when `(step − t_p) mod H == 0` with `t_p = floor(p·H/P)`: its outer
-gradient `Δ = Θ_base − θ` goes to the synchronizer in the background, and
-the version that merges it is applied `τ` steps later as
-`θ ← α·θ + (1−α)·Θ_new` (as soon after as it has arrived; the loop never
-blocks on it). When that version is still not there τ steps after that, the
-newest one is taken instead. A background
-thread runs the gRPC client's event loop, the heartbeat and the pushes and
-pulls, through bounded queues. Parameters are seen as flat fp32 vectors
-through `read`/`write` callbacks, so numpy and torch models share this.
+The training loop calls `step(tokens)` after each inner step. When to push a
+fragment's outer gradient `Δ = Θ_base − θ`, which version to pull and when to
+apply it, fall-backs and lost versions are the pure schedule's decisions
+(`learner.schedule`); this module is its shell: it feeds the schedule the
+steps, the acks, the pull results and the published versions, and carries out
+the pushes, pulls and applies it returns, never blocking the loop on the
+network (except in lock-step). A background thread runs the gRPC client's
+event loop, the heartbeat and the pushes and pulls, through bounded queues.
+Parameters are seen as flat fp32 vectors through `read`/`write` callbacks, so
+numpy and torch models share this.
 
 Starting is a catch-up: join, then load every fragment at the versions the
 synchronizer publishes, from peer learners that hold exactly those versions
@@ -25,12 +25,10 @@ span of the round that committed it; the learner's metrics
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +37,16 @@ from opentelemetry import trace
 
 from learner.client import Pulled, SynchronizerClient
 from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetch_from_peers
+from learner.schedule import (
+    Action,
+    Apply,
+    ApplyRule,
+    FallBack,
+    Pull,
+    Push,
+    Schedule,
+    ScheduleConfig,
+)
 from protos import telemetry
 
 # Longest the training thread waits on the loop without looking at pending signals.
@@ -53,53 +61,24 @@ WriteFragment = Callable[[int, np.ndarray], None]
 _TRACER = trace.get_tracer(__name__)
 
 
-def offsets(sync_every: int, fragments: int) -> list[int]:
-    """t_p = floor(p·H/P): fragments are due at staggered steps."""
-    return [p * sync_every // fragments for p in range(fragments)]
-
-
-def due_fragments(step: int, sync_every: int, fragments: int) -> list[int]:
-    """Fragments whose outer gradient is due after inner step `step` (1-based)."""
-    return [p for p, t in enumerate(offsets(sync_every, fragments))
-            if step > t and (step - t) % sync_every == 0]
-
-
-def lockstep_resume_step(versions: dict[int, int], sync_every: int) -> int:
-    """The local step a learner joining a lock-step run resumes at.
-
-    In lock-step every learner pushes fragment p for version v at step
-    `t_p + v·H`. A learner that restarted at step 0 would push in another
-    phase than the others, and each side would wait for a round the other
-    has not reached. Resuming at `max_p (t_p + v_p·H)` over the published
-    versions (0 for a fragment at v0) makes its next push of every fragment
-    the one for version `v_p + 1`."""
-    starts = offsets(sync_every, len(versions))
-    return max((starts[p] + v * sync_every if v > 0 else 0 for p, v in versions.items()),
-               default=0)
-
-
 @dataclass
 class _FragmentState:
+    """What the shell keeps of a fragment beside the schedule's state."""
+
     # Where the next outer gradient is measured from: the last merged values
     # applied, or our own values at the last push (so two pushes never both
     # carry the same local progress when a merged version is slow to come).
     base: np.ndarray
-    base_version: int
     # Of the version applied last: tells it from the same number committed again.
-    base_commit_id: int = 0
-    tokens: int = 0
-    steps: int = 0
+    commit_id: int = 0
     since: float = field(default_factory=time.monotonic)
     # The runtime's total blocked time when `since` was taken.
     blocked_at_since: float = 0.0
-    apply_at: int | None = None
-    pending: Future[Pulled | None] | None = None
-    # The pull gave up waiting for the version holding the push (see _fall_back).
-    fell_back: bool = False
-    # The pull under way is `_check_history`'s, not a push's own.
-    lost_pull: bool = False
     # When the push whose pull is under way was made (for the apply lag).
     pushed_at: float | None = None
+    # The pull under way (on the loop), and what it brought until it is applied.
+    pull: asyncio.Task[None] | None = None
+    arrived: Pulled | None = None
 
 
 @dataclass(frozen=True)
@@ -111,8 +90,9 @@ class _Outgoing:
     steps: int
     local_step: int
     work_s: float
-    # The version the coordinator will merge this into (None when not pushed).
-    target: Future[int | None] = field(default_factory=Future)
+    # Names the push in the schedule's `acked`.
+    ticket: int
+    pushed_at: float
 
 
 @dataclass(frozen=True)
@@ -126,18 +106,15 @@ class SyncSettings:
     # Lock-step baseline: wait for the merged fragment when it is due instead of
     # training on (with a sync-mode coordinator this is synchronous DiLoCo).
     lockstep: bool = False
+    # What an apply keeps of the steps since the push (`learner.schedule.ApplyRule`).
+    rule: ApplyRule = ApplyRule.OVERWRITE
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
-        if self.overlap_steps < 1:
-            raise ValueError(f"overlap (τ) must be >= 1, got {self.overlap_steps}")
-        if self.overlap_steps > self.sync_every:
-            # The fragment would come due again before its merge is applied.
-            raise ValueError(f"overlap (τ) must be at most sync_every (H): got τ = "
-                             f"{self.overlap_steps}, H = {self.sync_every}")
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        self.schedule(1)  # the schedule's own checks, with their messages
+
+    def schedule(self, fragments: int) -> ScheduleConfig:
+        return ScheduleConfig(self.sync_every, fragments, self.overlap_steps, self.alpha,
+                              self.lockstep, self.rule)
 
 
 @dataclass(frozen=True)
@@ -166,8 +143,12 @@ class FragmentSync:
         self.read = read
         self.write = write
         self.peers = peers or PeerSettings()
-        self.local_step = 0
+        self.schedule = Schedule(settings.schedule(len(client.numels)))
         self.fragments: list[_FragmentState] = []
+        # The schedule is fed by the training thread (steps) and the loop (acks,
+        # pulls); `_changed` wakes a lock-step wait when the loop fed it.
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self.applied_versions: dict[int, int] = {}
         # Merged values held for peers; only kept while serving them.
         self.held: HeldFragments | None = HeldFragments() if self.peers.serve else None
@@ -269,9 +250,7 @@ class FragmentSync:
         for p in range(len(self.client.numels)):
             pulled = loaded[p]
             # The pulled array is never written in place, so it can be the base as it is.
-            self.fragments.append(_FragmentState(base=pulled.values,
-                                                 base_version=pulled.version,
-                                                 base_commit_id=pulled.commit_id))
+            self.fragments.append(_FragmentState(base=pulled.values, commit_id=pulled.commit_id))
             self.applied_versions[p] = pulled.version
             if self.held is not None:
                 self.held.applied(p, pulled.version, pulled.commit_id, pulled.values)
@@ -288,9 +267,9 @@ class FragmentSync:
             sources=sources, seconds=round(self.catch_up.seconds, 4),
             bytes_from_peers=self.catch_up.bytes_from_peers,
             bytes_from_coordinator=self.catch_up.bytes_from_coordinator, misses=misses[:20])
-        if self.settings.lockstep:
-            self.local_step = lockstep_resume_step(self.applied_versions,
-                                                   self.settings.sync_every)
+        # In lock-step it resumes at the step that keeps it in phase with the others.
+        self.schedule.start(self.applied_versions,
+                            {p: loaded[p].commit_id for p in self.applied_versions})
         self._sends = asyncio.Queue()
         self._tasks = [self._loop.create_task(self._sender(), name="sender"),
                        self._loop.create_task(self._heartbeats(), name="heartbeats")]
@@ -300,9 +279,10 @@ class FragmentSync:
         timeout), leave, stop the loop."""
         if not self._thread.is_alive():
             return
-        for p, state in enumerate(self.fragments):
-            if state.steps > 0:
-                self._push(p)
+        if self.fragments:
+            with self._lock:
+                pushes = self.schedule.flush()
+            self._carry_out(pushes)
         self._stopping = True
         try:
             self._run(self._close(reason, flush_timeout), flush_timeout + 10)
@@ -318,9 +298,10 @@ class FragmentSync:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._sends.join(), timeout=flush_timeout)
         finally:  # an interrupted flush (Ctrl-C) still leaves the run
-            for task in self._tasks:  # no heartbeat after the Leave
+            pulls = [state.pull for state in self.fragments if state.pull is not None]
+            for task in [*self._tasks, *pulls]:  # no heartbeat after the Leave
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, *pulls, return_exceptions=True)
             if self._peer_server is not None:
                 await self._peer_server.stop()
             await self.client.leave(reason)
@@ -347,24 +328,29 @@ class FragmentSync:
 
     # -- the training loop's side --------------------------------------------------
 
+    @property
+    def local_step(self) -> int:
+        return self.schedule.step_count
+
     def step(self, tokens: int) -> list[int]:
-        """Call after every inner step; never blocks on the network. Returns the
-        fragments whose merged values were written into the model this step."""
+        """Call after every inner step; never blocks on the network (but in
+        lock-step). Returns the fragments whose merged values were written into
+        the model this step."""
         if self._sends is None or self._stopping:
             # Steps counted without a run would shift every fragment's schedule.
             raise RuntimeError("step() needs a started learner that is not closed: call "
                                "start() first (or use it as a context manager)")
-        self.local_step += 1
-        for state in self.fragments:
-            state.tokens += tokens
-            state.steps += 1
-        applied = [p for p, state in enumerate(self.fragments) if self._maybe_apply(p, state)]
-        for p in due_fragments(self.local_step, self.settings.sync_every, len(self.fragments)):
-            self._push(p)
-        # After the pushes: a fragment pushed just now has its own pull under way.
-        for p, state in enumerate(self.fragments):
-            self._check_history(p, state)
-        return applied
+        k = self.schedule.step_count + 1
+        with self._lock:
+            for p, (version, commit_id) in list(self.client.published.items()):
+                if p < len(self.fragments):
+                    self.schedule.published(p, version, commit_id)
+            if self.schedule.waits_at(k):
+                waited_from = time.monotonic()
+                self._changed.wait_for(lambda: not self.schedule.waits_at(k))
+                self._blocked_s += time.monotonic() - waited_from
+            actions = self.schedule.step(k, tokens)
+        return self._carry_out(actions)
 
     @property
     def backlog(self) -> int:
@@ -379,52 +365,84 @@ class FragmentSync:
                 "merged": stats.merged, "dropped": dict(stats.dropped),
                 "repushed": stats.repushed}
 
-    def _push(self, p: int) -> None:
-        state = self.fragments[p]
-        current = self.read(p)
+    def _carry_out(self, actions: list[Action]) -> list[int]:
+        """Do what the schedule decided, in its order (training thread); the
+        fragments applied."""
+        applied = []
+        fell_back: set[int] = set()
+        for action in actions:
+            if isinstance(action, Push):
+                self._push(action)
+            elif isinstance(action, Apply):
+                self._apply(action)
+                applied.append(action.p)
+            elif isinstance(action, FallBack):
+                fell_back.add(action.p)
+                self.client.events.emit("pull_fallback", learner=self.client.learner_id,
+                                        fragment=action.p, step=self.local_step,
+                                        base_version=self.schedule.version(action.p))
+            else:
+                if action.p not in fell_back:
+                    self._version_lost(action)
+                self._loop.call_soon_threadsafe(self._start_pull, action)
+        return applied
+
+    def _push(self, push: Push) -> None:
+        state = self.fragments[push.p]
+        current = self.read(push.p)
         now = time.monotonic()
         work_s = now - state.since - (self._blocked_s - state.blocked_at_since)
-        item = _Outgoing(p, state.base - current, state.base_version, state.tokens,
-                         state.steps, self.local_step, work_s)
-        if work_s > 0 and state.tokens > 0:
-            self.client.metrics.tokens_per_s.set(state.tokens / work_s)
-        state.base, state.tokens, state.steps = current, 0, 0
+        item = _Outgoing(push.p, state.base - current, push.base, push.tokens, push.steps,
+                         push.step, work_s, push.ticket, now)
+        if work_s > 0 and push.tokens > 0:
+            self.client.metrics.tokens_per_s.set(push.tokens / work_s)
+        state.base = current
         state.since, state.blocked_at_since = now, self._blocked_s
         assert self._sends is not None
         self._loop.call_soon_threadsafe(self._enqueue, item)
-        if state.lost_pull and state.pending is not None:
-            # This push's own pull brings a version past the one committed again.
-            state.pending.cancel()
-            state.pending = None
-        if state.pending is None:
-            state.lost_pull = False
-            state.pushed_at = now
-            state.apply_at = self.local_step + self.settings.overlap_steps
-            state.fell_back = False
-            state.pending = asyncio.run_coroutine_threadsafe(
-                self._pull_own(p, state.base_version, item.target), self._loop)
 
-    async def _pull_own(self, p: int, base_version: int,
-                        target: Future[int | None]) -> Pulled | None:
-        """The first version that holds this push: an earlier one (another learner's
-        round) lacks the progress just pushed. In lock-step, the next version: a push
-        that missed its round waits for the next one, which needs the others' next
-        pushes, which wait for this learner."""
-        with self._awaiting(p, base_version):
-            # Shielded: cancelling this pull (a fall-back) must not cancel the sender's future.
-            merged_into = await asyncio.shield(asyncio.wrap_future(target))
-        # The pull registers its narrower wait before the loop runs anything else.
-        if merged_into is None or self.settings.lockstep:
-            return await self._pull(p, base_version)
-        return await self._pull(p, max(base_version, merged_into - 1))
+    def _version_lost(self, pull: Pull) -> None:
+        """The coordinator reports the applied version under another commit: it lost
+        it (a failover under async replication, a restored state directory) and
+        committed the number again; the schedule pulls its replacement."""
+        state = self.fragments[pull.p]
+        version, commit_id = self.client.published.get(pull.p, (-1, 0))
+        self.client.events.emit("version_lost", learner=self.client.learner_id,
+                                fragment=pull.p, version=version,
+                                had_commit=f"{state.commit_id:x}", commit=f"{commit_id:x}")
+        state.pushed_at = None  # no push of this learner's waits on this pull
 
-    async def _pull(self, p: int, have_version: int) -> Pulled | None:
-        with self._awaiting(p, have_version):
-            pulled = await self.client.pull_newer(p, have_version, self.settings.pull_wait_s)
+    def _start_pull(self, pull: Pull, pushed_at: float | None = None) -> None:
+        """Start `pull` (on the loop), replacing the fragment's pull under way. It
+        tells the peers' server at once that a newer version may come."""
+        state = self.fragments[pull.p]
+        if state.pull is not None:
+            state.pull.cancel()
+        if pushed_at is not None:
+            state.pushed_at = pushed_at
+        waiting = contextlib.ExitStack()
+        waiting.enter_context(self._awaiting(pull.p, pull.newer_than))
+        state.pull = self._loop.create_task(self._pull(pull, waiting), name=f"pull-{pull.p}")
+
+    async def _pull(self, pull: Pull, waiting: contextlib.ExitStack) -> None:
+        with waiting:
+            try:
+                pulled = await self.client.pull_newer(pull.p, pull.newer_than,
+                                                      self.settings.pull_wait_s)
+            except Exception as exc:  # the schedule pulls again at the next push
+                self.client.events.emit("pull_failed", learner=self.client.learner_id,
+                                        fragment=pull.p, error=str(exc)[:200])
+                pulled = None
             if pulled is not None and self.held is not None:
                 # Servable to peers from now on, before this learner applies it.
-                self.held.pulled(p, pulled.version, pulled.commit_id, pulled.values)
-            return pulled
+                self.held.pulled(pull.p, pulled.version, pulled.commit_id, pulled.values)
+        with self._changed:
+            if pulled is None:
+                self.schedule.pulled(pull.p, None, 0, pull.ticket)
+            elif self.schedule.pulled(pull.p, pulled.version, pulled.commit_id, pull.ticket,
+                                      pulled.rewound):
+                self.fragments[pull.p].arrived = pulled
+            self._changed.notify_all()
 
     def _awaiting(self, p: int, have_version: int) -> contextlib.AbstractContextManager[None]:
         """Tells the peers' server that a version newer than `have_version` may come:
@@ -437,90 +455,48 @@ class FragmentSync:
         assert self._sends is not None
         while self._sends.qsize() >= self.settings.max_backlog:
             dropped = self._sends.get_nowait()
-            dropped.target.set_result(None)
+            self._acked(dropped, None)
             self._sends.task_done()
             self.client.count_drop(dropped.fragment, "backlog_full", work_s=dropped.work_s)
         self._sends.put_nowait(item)
 
-    def _fall_back(self, p: int, state: _FragmentState) -> None:
-        """The round holding the push is slow to close (its quorum still gathering):
-        after τ more steps, take the newest version instead. Waiting on would leave
-        the base to age until pushes are refused as stale, and cost the local steps
-        that the version, when it comes, overwrites."""
-        assert state.pending is not None
-        state.pending.cancel()
-        state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, state.base_version),
-                                                         self._loop)
-        state.fell_back = True
-        self.client.events.emit("pull_fallback", learner=self.client.learner_id, fragment=p,
-                                step=self.local_step, base_version=state.base_version)
+    def _acked(self, item: _Outgoing, target: int | None) -> None:
+        """The schedule learns the push's target version (None: not acknowledged),
+        and the pull it asks for starts now, on the loop."""
+        with self._changed:
+            pulls = self.schedule.acked(item.fragment, target, item.ticket)
+            self._changed.notify_all()
+        for pull in pulls:
+            self._start_pull(pull, item.pushed_at)
 
-    def _check_history(self, p: int, state: _FragmentState) -> None:
-        """The coordinator reports this fragment's version under another commit: it
-        lost the one applied here (a failover under async replication, a restored
-        state directory) and committed the number again. Take its version now
-        rather than train on from a history that is gone. Not in lock-step: applied
-        just before a due push, it would leave that push empty, and the round that
-        needs it waiting; there every round's pull brings the new history anyway."""
-        version, commit_id = self.client.published.get(p, (-1, 0))
-        if (self.settings.lockstep or state.pending is not None
-                or version != state.base_version
-                or 0 in (commit_id, state.base_commit_id) or commit_id == state.base_commit_id):
-            return
-        self.client.events.emit("version_lost", learner=self.client.learner_id, fragment=p,
-                                version=version, had_commit=f"{state.base_commit_id:x}",
-                                commit=f"{commit_id:x}")
-        state.apply_at, state.fell_back, state.lost_pull = self.local_step + 1, True, True
-        state.pushed_at = None  # no push of this learner's waits on this pull
-        state.pending = asyncio.run_coroutine_threadsafe(self._pull(p, version - 1), self._loop)
-
-    def _maybe_apply(self, p: int, state: _FragmentState) -> bool:
-        if state.pending is None or state.apply_at is None or self.local_step < state.apply_at:
-            return False
-        if not state.pending.done():
-            if not self.settings.lockstep:
-                if (not state.fell_back
-                        and self.local_step >= state.apply_at + self.settings.overlap_steps):
-                    self._fall_back(p, state)
-                return False
-            waited_from = time.monotonic()
-            concurrent.futures.wait([state.pending])
-            self._blocked_s += time.monotonic() - waited_from
-        pending, state.pending, state.apply_at = state.pending, None, None
-        try:
-            pulled = pending.result()
-        except Exception as exc:  # a failed pull is retried next round
-            self.client.events.emit("pull_failed", learner=self.client.learner_id,
-                                    fragment=p, error=str(exc)[:200])
-            return False
-        if pulled is None or not (
-                pulled.version > state.base_version or pulled.rewound
-                or (pulled.version == state.base_version
-                    and pulled.commit_id not in (0, state.base_commit_id))):
-            return False
-        alpha = self.settings.alpha
+    def _apply(self, apply: Apply) -> None:
+        p, state = apply.p, self.fragments[apply.p]
+        pulled, state.arrived = state.arrived, None
+        assert pulled is not None and pulled.version == apply.version
         lag = None if state.pushed_at is None else time.monotonic() - state.pushed_at
         with _TRACER.start_as_current_span("ftsync.apply", links=telemetry.links([pulled.trace]),
                                            attributes={"ftsync.learner": self.client.learner_id,
                                                        "ftsync.fragment": p,
                                                        "ftsync.version": pulled.version,
                                                        "ftsync.step": self.local_step}):
-            values = (pulled.values if alpha == 0
-                      else alpha * self.read(p) + (1 - alpha) * pulled.values)
+            if apply.carry:  # the progress since the push rides on the merged version
+                values = pulled.values + (self.read(p) - state.base)
+            elif apply.alpha == 0:
+                values = pulled.values
+            else:
+                values = apply.alpha * self.read(p) + (1 - apply.alpha) * pulled.values
             self.write(p, values)
         if lag is not None:
             self.client.metrics.apply_lag.record(lag)
         state.pushed_at = None
-        state.base = pulled.values
-        state.base_version, state.base_commit_id = pulled.version, pulled.commit_id
-        state.tokens = state.steps = 0
-        state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
+        state.base, state.commit_id = pulled.values, pulled.commit_id
+        if not apply.carry:  # the steps since the push are overwritten: not work
+            state.since, state.blocked_at_since = time.monotonic(), self._blocked_s
         self.applied_versions[p] = pulled.version
         if self.held is not None:
             self.held.applied(p, pulled.version, pulled.commit_id, pulled.values)
         self.client.events.emit("applied", learner=self.client.learner_id, fragment=p,
                                 version=pulled.version, step=self.local_step)
-        return True
 
     # -- the background loop ---------------------------------------------------------
 
@@ -529,17 +505,19 @@ class FragmentSync:
         while True:
             item = await self._sends.get()
             target = None
-            try:
-                if item.tokens > 0 and item.steps > 0:
-                    target = await self.client.push(
-                        item.fragment, item.delta, item.base_version, item.tokens, item.steps,
-                        item.local_step, work_s=item.work_s)
-            except Exception as exc:  # reported; training goes on
-                self.client.events.emit("push_failed", learner=self.client.learner_id,
-                                        fragment=item.fragment, error=str(exc)[:200])
-            finally:
-                item.target.set_result(target)
-                self._sends.task_done()
+            # The round this push goes to may commit a version newer than its base.
+            with self._awaiting(item.fragment, item.base_version):
+                try:
+                    if item.tokens > 0 and item.steps > 0:
+                        target = await self.client.push(
+                            item.fragment, item.delta, item.base_version, item.tokens,
+                            item.steps, item.local_step, work_s=item.work_s)
+                except Exception as exc:  # reported; training goes on
+                    self.client.events.emit("push_failed", learner=self.client.learner_id,
+                                            fragment=item.fragment, error=str(exc)[:200])
+                finally:
+                    self._acked(item, target)
+                    self._sends.task_done()
 
     async def _heartbeats(self) -> None:
         while not self._stopping:

@@ -20,6 +20,7 @@ import torch
 from learner.api import Learner
 from learner.client import SynchronizerClient
 from learner.fragments import FragmentView
+from learner.schedule import Phase
 from learner.streaming import FragmentSync
 from tests.daemon import Daemon, wait_until
 from tests.integration.test_catchup import coordinator_values, push_as_another_learner
@@ -194,8 +195,7 @@ def others_commit_version_1(daemon: Daemon, learner: Learner, names: list[str]) 
 def pull_arrived(learner: Learner, fragment: int) -> bool:
     """Whether the learner's outstanding pull of `fragment` has its answer (white box:
     the background loop exposes no event for it)."""
-    pending = learner._sync.fragments[fragment].pending
-    return pending is not None and pending.done()
+    return learner._sync.schedule.phase(fragment) == Phase.READY
 
 
 async def fetch_fragment(daemon: Daemon, learner: Learner, fragment: int) -> np.ndarray:
