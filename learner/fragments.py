@@ -7,12 +7,21 @@ layout hash covers exactly those, per fragment: a learner with another
 model or fragment count is refused by the coordinator with a clear error.
 Each fragment is seen as one flat fp32 vector, read from and written back
 to the model's parameters on whatever device they live.
+
+On a CUDA model the values pass through one pinned host buffer per fragment,
+copied with non-blocking copies on a side stream, so pushes and applies do
+not stall the training stream: a write returns once its values are in the
+pinned buffer, and the training stream waits, on the device, for the copy
+into the parameters before its next kernel; a read waits only for its own
+copy, ordered after the training work queued before it. On CPU the same path
+runs on plain (unpinned) buffers, where every copy is synchronous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -82,19 +91,71 @@ class FragmentView:
         self.plan = plan
         params = dict(model.named_parameters())
         self._tensors = [[params[name] for name in f.names] for f in plan.fragments]
+        devices = {t.device for tensors in self._tensors for t in tensors}
+        device = devices.pop() if len(devices) == 1 else None
+        # The side stream's device: the model's, when all of it is on one GPU.
+        self._cuda = device if device is not None and device.type == "cuda" else None
+        self._side = (None if self._cuda is None
+                      else torch.cuda.Stream(self._cuda))  # type: ignore[no-untyped-call]
+        self._host = [torch.empty(f.numel, dtype=torch.float32,
+                                  pin_memory=self._cuda is not None) for f in plan.fragments]
+        # Per fragment, the copy out of its host buffer still in flight (CUDA only).
+        self._writing: list[torch.cuda.Event | None] = [None] * len(plan.fragments)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host buffers are pinned (the model is on one CUDA device)."""
+        return self._cuda is not None
 
     def read(self, fragment: int) -> np.ndarray:
-        tensors = self._tensors[fragment]
-        with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
-            return flat.cpu().numpy().copy()
+        """The fragment's values as of the training work queued so far (a new array)."""
+        host = self._idle_host(fragment)
+        with self._on_side_stream() as done:
+            offset = 0
+            for t in self._tensors[fragment]:
+                n = t.numel()
+                host[offset:offset + n].view(t.shape).copy_(t.detach(), non_blocking=True)
+                offset += n
+        if done is not None:
+            done.synchronize()
+        return host.numpy().copy()
 
     def write(self, fragment: int, values: np.ndarray) -> None:
-        tensors = self._tensors[fragment]
-        source = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
+        """Overwrite the fragment with `values` (any float array of its size), in order
+        before the training stream's next kernel; `values` may be reused at once."""
+        numel = self.plan.fragments[fragment].numel
+        if values.size != numel:
+            raise ValueError(f"fragment {fragment} has {numel} elements, the values to "
+                             f"write have {values.size}")
+        host = self._idle_host(fragment)
+        host.numpy()[:] = values.reshape(-1)
+        with self._on_side_stream() as done, torch.no_grad():
+            offset = 0
+            for t in self._tensors[fragment]:
                 n = t.numel()
-                t.copy_(source[offset:offset + n].view(t.shape).to(t.device, t.dtype))
+                t.copy_(host[offset:offset + n].view(t.shape), non_blocking=True)
                 offset += n
+        if done is not None:
+            torch.cuda.current_stream(self._cuda).wait_event(done)
+            self._writing[fragment] = done
+
+    def _idle_host(self, fragment: int) -> torch.Tensor:
+        """The fragment's host buffer, once no copy out of it is in flight."""
+        writing = self._writing[fragment]
+        if writing is not None:
+            writing.synchronize()
+            self._writing[fragment] = None
+        return self._host[fragment]
+
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[torch.cuda.Event | None]:
+        """Copies issued inside run on the side stream after the training stream's work
+        queued so far; the event yielded is recorded when they are done (None on CPU)."""
+        if self._side is None:
+            yield None
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self._cuda))
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(self._side):
+            yield done
+            done.record(self._side)
