@@ -10,7 +10,7 @@
    scenario whose timings were calibrated on earlier runs — and prints the
    gap in goodput points. Target: within ±5 points.
 4. As a diagnostic, re-measures the scenario's median timings on this run's
-   own events (`chaos.sim_calibrate`; the scenario's background load and
+   own events (`chaos.sim.calibrate`; the scenario's background load and
    start-up spread kept: one run pins neither down) and simulates again: the
    gap that is left when the machine's speed during the run is known.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos.history import load_events
-from chaos.sim_calibrate import calibrate
-from chaos.simulator import load_scenario, simulate
+from chaos.sim import load_scenario, simulate
+from chaos.sim.calibrate import calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = ROOT / "experiments" / "sim" / "scale.toml"

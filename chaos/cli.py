@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from chaos import simulator
+from chaos import sim
 from chaos.session import run_experiment
 
 
@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--out", type=Path, help="output directory (default runs/NAME)")
     run.add_argument("--quiet", action="store_true", help="no live view")
     simulate = sub.add_parser("simulate", help="simulate a scenario file at any scale")
-    simulator.add_arguments(simulate)
+    sim.add_arguments(simulate)
     args = parser.parse_args(argv)
     if args.command == "simulate":
-        sys.exit(simulator.run_command(args))
+        sys.exit(sim.run_command(args))
     sys.exit(run_experiment(args.experiment, args.out, live=not args.quiet))

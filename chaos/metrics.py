@@ -306,15 +306,25 @@ def uptime(events: Sequence[Event], window_s: float = DEFAULT_WINDOW_S) -> Uptim
     hit = [False] * n
     for e in commits:
         hit[min(int((e.t - start) / window_s), n - 1)] = True
-    up = sum(min(start + (k + 1) * window_s, end) - (start + k * window_s)
-             for k in range(n) if hit[k])
     stall = Stall(start, start, None, None)
     for before, after in pairwise(commits):
         if after.t - before.t > stall.seconds:
             stall = Stall(before.t, after.t, before.index, after.index)
     if end - commits[-1].t > stall.seconds:
         stall = Stall(commits[-1].t, end, commits[-1].index, None)
-    return Uptime(up / (end - start), window_s, start, end, n, sum(hit), stall)
+    return Uptime(advanced_share(hit, start, end, window_s), window_s, start, end, n,
+                  sum(hit), stall)
+
+
+def advanced_share(hit: Sequence[bool], start: float, end: float, window_s: float) -> float:
+    """Uptime from the windows of [start, end] that advanced (`hit[k]`, k-th window):
+    their share of the span, the last, shorter window weighed by its length. The
+    simulator calls this with the windows it marks from its own commit times."""
+    if end <= start:
+        return 1.0
+    up = sum(min(start + (k + 1) * window_s, end) - (start + k * window_s)
+             for k, advanced in enumerate(hit) if advanced)
+    return up / (end - start)
 
 
 # -- timelines ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The discrete-event simulator (`chaos.simulator`): analytic cases, the policy
+"""The discrete-event simulator (`chaos.sim`): analytic cases, the policy
 core really in the loop, determinism, scenario validation and the CLI.
 
 Every run here is small (a few learners, simulated hours) so the file stays
@@ -17,8 +17,9 @@ import pytest
 
 from chaos import cli
 from chaos.experiment import load_experiment, schedule
-from chaos.sim_engine import Result, run_once
-from chaos.sim_scenario import (
+from chaos.sim import replay_kills, run_once, simulate, sweep, table
+from chaos.sim.results import Result
+from chaos.sim.scenario import (
     ClusterSpec,
     FailureSpec,
     HostSpec,
@@ -27,11 +28,10 @@ from chaos.sim_scenario import (
     TrainingSpec,
     load_scenario,
 )
-from chaos.simulator import replay_kills, simulate, sweep, table
 from coordinator import policy as policy_module
 from coordinator.config import ConfigError
 from coordinator.policy import PolicyConfig
-from learner.streaming import due_fragments
+from learner.schedule import offsets
 
 ROOT = Path(__file__).parents[2]
 SCENARIOS = sorted((ROOT / "experiments" / "sim").glob("*.toml"))
@@ -232,9 +232,11 @@ def test_pushes_follow_the_learner_schedule() -> None:
     s = with_training(scenario(learners=1, chips=1, duration_s=1e6), sync_every=h,
                       fragments=p, steps=steps)
     r = simulate(s)
-    due = [q for k in range(1, steps + 1) for q in due_fragments(k, h, p)]
-    last = {q: max(k for k in range(1, steps + 1) if q in due_fragments(k, h, p))
-            for q in range(p)}
+    def due_fragments(k: int) -> list[int]:  # DESIGN §2: (k − t_p) mod H == 0, k > t_p
+        return [q for q, t in enumerate(offsets(h, p)) if k > t and (k - t) % h == 0]
+
+    due = [q for k in range(1, steps + 1) for q in due_fragments(k)]
+    last = {q: max(k for k in range(1, steps + 1) if q in due_fragments(k)) for q in range(p)}
     flushed = sum(1 for q in range(p) if last[q] < steps)
     assert r.contributions == len(due) + flushed
 

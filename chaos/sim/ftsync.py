@@ -1,7 +1,7 @@
-"""The simulator's discrete-event engine: chips, failures, and the real policy.
+"""The simulator's ftsync run: chips, failures, the real policy and the real schedule.
 
-`chaos.simulator` calls `run_once` for one configuration and one seed. Three
-methods share the failure model:
+`chaos.sim.run_once` runs it for one configuration and one seed; the
+data-parallel baselines (`chaos.sim.baselines`) share its failure model:
 
 - **ftsync**: chips split into M learners, each a data-parallel group that
   streams fragments on the learner's schedule (`learner.streaming.offsets`)
@@ -41,19 +41,19 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import time
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from chaos.sim_scenario import Scenario
+from chaos.metrics import advanced_share
+from chaos.sim.chips import Chips
+from chaos.sim.results import Result
+from chaos.sim.scenario import Scenario
 from coordinator.errors import Reason, Rejected
 from coordinator.policy import Admission, ContributionId, Offer, Policy
-from learner.streaming import offsets
+from learner.schedule import offsets
 
 # A kill of the replayed timeline: (time, learner index).
 Kill = tuple[float, int]
@@ -68,164 +68,17 @@ STARTING, CATCHUP, RUNNING, REFORMING, FINISHING, DOWN, DONE = (
 _ALIVE = {STARTING, CATCHUP, RUNNING, REFORMING, FINISHING}
 
 
-@dataclass(frozen=True)
-class Result:
-    """One configuration's outcome (averaged over its replicas)."""
-
-    label: str
-    method: str
-    chips: int
-    learners: int
-    elastic: bool
-    min_quorum: int
-    goodput: float
-    uptime: float
-    # Merged chip-steps at nominal chip speed per allocated chip-second:
-    # goodput discounted by waiting on slow chips.
-    throughput: float
-    useful_chip_s: float
-    allocated_chip_s: float
-    run_s: float
-    failures: float
-    commits: float
-    contributions: float = 0.0
-    merged: float = 0.0
-    dropped: dict[str, float] = field(default_factory=dict)
-    lost_in_flight: float = 0.0
-    replicas: int = 1
-    goodput_sd: float = 0.0
-    uptime_sd: float = 0.0
-    events: int = 0
-    wall_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def combine(results: Sequence[Result]) -> Result:
-    """Replicas of one configuration: means (and spreads) of their figures, the
-    events and compute time summed."""
-    first = results[0]
-    n = len(results)
-
-    def mean(key: str) -> float:
-        return sum(float(getattr(r, key)) for r in results) / n
-
-    def sd(key: str) -> float:
-        if n < 2:
-            return 0.0
-        mu = mean(key)
-        return math.sqrt(sum((float(getattr(r, key)) - mu) ** 2 for r in results) / (n - 1))
-
-    dropped: dict[str, float] = {}
-    for r in results:
-        for reason, count in r.dropped.items():
-            dropped[reason] = dropped.get(reason, 0.0) + count / n
-    return Result(
-        label=first.label, method=first.method, chips=first.chips, learners=first.learners,
-        elastic=first.elastic, min_quorum=first.min_quorum, goodput=mean("goodput"),
-        uptime=mean("uptime"), throughput=mean("throughput"),
-        useful_chip_s=mean("useful_chip_s"), allocated_chip_s=mean("allocated_chip_s"),
-        run_s=mean("run_s"), failures=mean("failures"), commits=mean("commits"),
-        contributions=mean("contributions"), merged=mean("merged"), dropped=dropped,
-        lost_in_flight=mean("lost_in_flight"), replicas=n, goodput_sd=sd("goodput"),
-        uptime_sd=sd("uptime"), events=sum(r.events for r in results),
-        wall_s=sum(r.wall_s for r in results))
-
-
-def run_once(scenario: Scenario, seed: int, kills: Sequence[Kill] | None = None) -> Result:
-    """Simulate the scenario's own configuration once with `seed`."""
-    started = time.perf_counter()
-    if scenario.method == "ftsync":
-        result = _FtsyncRun(scenario, seed, kills).run()
-    elif kills is not None:
-        raise ValueError("a replayed kill timeline needs method 'ftsync' (one learner per slot)")
-    else:
-        result = _data_parallel(scenario, seed)
-    return _with_wall(result, time.perf_counter() - started)
-
-
-def _with_wall(result: Result, wall_s: float) -> Result:
-    fields = result.as_dict()
-    fields["wall_s"] = wall_s
-    return Result(**fields)
-
-
-# -- chips -----------------------------------------------------------------------------
-
-
-class _Chips:
-    """Per-chip speed factors exp(σ·Z) and liveness, kept only when σ > 0."""
-
-    def __init__(self, n: int, sigma: float, rng: random.Random, seed: int) -> None:
-        self.sigma = sigma
-        self.rng = rng
-        if sigma > 0:
-            gen = np.random.default_rng(seed)
-            self.speed = np.exp(sigma * gen.standard_normal(n))
-            self.alive = np.ones(n, dtype=bool)
-
-    def slowest_of(self, starts: Sequence[int]) -> list[float]:
-        """The slowest factor of each group [starts[i], starts[i+1])."""
-        if self.sigma == 0:
-            return [1.0] * len(starts)
-        return [float(x) for x in np.maximum.reduceat(self.speed, np.asarray(starts))]
-
-    def slowest(self, lo: int, hi: int) -> float:
-        if self.sigma == 0:
-            return 1.0
-        alive = self.alive[lo:hi]
-        return float(self.speed[lo:hi][alive].max()) if alive.any() else 1.0
-
-    def pick(self, lo: int, hi: int) -> int:
-        """A uniformly random live chip of [lo, hi) (-1 when speeds don't vary)."""
-        if self.sigma == 0:
-            return -1
-        while True:
-            i = lo + int(self.rng.random() * (hi - lo))
-            if self.alive[i]:
-                return i
-
-    def remove(self, i: int, slow: float, lo: int, hi: int) -> float:
-        """Chip i leaves its group; the group's new slowest factor."""
-        if self.sigma == 0:
-            return 1.0
-        self.alive[i] = False
-        return self.slowest(lo, hi) if self.speed[i] >= slow else slow
-
-    def renew(self, i: int, slow: float, lo: int, hi: int) -> float:
-        """Chip i is replaced by new hardware (a new speed) and is live."""
-        if self.sigma == 0:
-            return 1.0
-        old, was_alive = float(self.speed[i]), bool(self.alive[i])
-        new = math.exp(self.sigma * self.rng.gauss(0.0, 1.0))
-        self.speed[i] = new
-        self.alive[i] = True
-        if was_alive and old >= slow:
-            return self.slowest(lo, hi)
-        return max(slow, new)
-
-
-# -- uptime ----------------------------------------------------------------------------
-
-
 def _uptime(commits: np.ndarray, start: float, end: float, window_s: float) -> float:
-    """chaos.metrics.uptime over commit times: windows of the span with a commit."""
+    """`chaos.metrics.uptime` over commit times: windows of the span with a commit."""
     if commits.size == 0:
         return 0.0
     if end <= start:
         return 1.0
     n = math.ceil((end - start) / window_s)
     inside = commits[(commits >= start) & (commits <= end)]
-    index = np.minimum(((inside - start) / window_s).astype(np.int64), n - 1)
     hit = np.zeros(n, dtype=bool)
-    hit[index] = True
-    lengths = np.full(n, window_s)
-    lengths[-1] = end - (start + (n - 1) * window_s)
-    return float(lengths[hit].sum() / (end - start))
-
-
-# -- ftsync ----------------------------------------------------------------------------
+    hit[np.minimum(((inside - start) / window_s).astype(np.int64), n - 1)] = True
+    return advanced_share(hit.tolist(), start, end, window_s)
 
 
 class _Fragment:
@@ -316,13 +169,13 @@ class _Group:
         return math.ceil(self.anchor_step + max(t - self.anchor_t, 0.0) / self.step_s - 1e-9)
 
 
-class _FtsyncRun:
+class FtsyncRun:
     def __init__(self, scenario: Scenario, seed: int, kills: Sequence[Kill] | None) -> None:
         s = scenario
         self.s = s
         self.rng = random.Random(seed)
         cluster, training = s.cluster, s.training
-        self.chips = _Chips(cluster.chips, cluster.speed_sigma, self.rng, seed)
+        self.chips = Chips(cluster.chips, cluster.speed_sigma, self.rng, seed)
         m = cluster.learners
         size, extra = divmod(cluster.chips, m)
         starts = [i * size + min(i, extra) for i in range(m)]
@@ -880,183 +733,3 @@ class _FtsyncRun:
             failures=self.failures, commits=float(commits.size),
             contributions=self.contributions, merged=self.merged, dropped=dict(self.dropped),
             lost_in_flight=self.lost_in_flight, events=self.events)
-
-
-# -- data parallel ---------------------------------------------------------------------
-
-
-class _Job:
-    """Book-keeping of a data-parallel job: work done, steps, failures."""
-
-    def __init__(self, s: Scenario, seed: int) -> None:
-        self.s = s
-        self.rng = random.Random(seed)
-        self.n = s.cluster.chips
-        self.chips = _Chips(self.n, s.cluster.speed_sigma, self.rng, seed)
-        self.slow = self.chips.slowest(0, self.n)
-        self.useful = 0.0  # chip-seconds of merged work
-        self.useful_steps = 0.0  # chip-steps
-        self.failures = 0
-        self.events = 0
-        self.runs: list[tuple[float, float, float]] = []  # first/last completion, step_s
-
-    def next_failure(self, t: float, active: int) -> float:
-        self.events += 1
-        return t + self.rng.expovariate(active / self.s.failures.mtbf_chip_s)
-
-    def ran(self, a: float, b: float, active: int, interrupted: bool) -> None:
-        """Steps from a to b on `active` chips; a failure at b (`interrupted`)
-        loses the step in progress (and with dp, the work since the last
-        checkpoint)."""
-        step = self.s.training.step_s * self.slow
-        done = max(b - a, 0.0) / step
-        kept = done
-        if interrupted:
-            kept = done = float(int(done + 1e-9))
-            every_s = self.s.failures.checkpoint_every_s
-            if every_s > 0 and self.s.method == "dp":
-                every = max(1, math.ceil(every_s / step))
-                kept = float(int(done) // every * every)
-        self.useful += kept * step * active
-        self.useful_steps += kept * active
-        if done >= 1:
-            self.runs.append((a + step, a + int(done + 1e-9) * step, step))
-
-    def result(self, first_join: float | None, stop: float) -> Result:
-        s = self.s
-        allocated = self.n * max(stop - first_join, 0.0) if first_join is not None else 0.0
-        return Result(
-            label=s.label(), method=s.method, chips=self.n, learners=1,
-            elastic=s.method == "elastic-dp", min_quorum=1,
-            goodput=self.useful / allocated if allocated > 0 else 0.0,
-            uptime=_dp_uptime(self.runs, s.uptime_window_s),
-            throughput=(self.useful_steps * s.training.step_s / allocated
-                        if allocated > 0 else 0.0),
-            useful_chip_s=self.useful, allocated_chip_s=allocated, run_s=s.duration_s,
-            failures=self.failures,
-            commits=float(sum(round((b - a) / step) + 1 for a, b, step in self.runs)),
-            events=self.events)
-
-
-def _data_parallel(s: Scenario, seed: int) -> Result:
-    """One job on every chip. `dp` stops on any failure until it is restarted
-    (start-up and catch-up again, where a failure starts it over); every
-    completed step is a commit."""
-    if s.method == "elastic-dp":
-        return _elastic_data_parallel(s, seed)
-    job = _Job(s, seed)
-    f, end, n = s.failures, s.duration_s, job.n
-    first_join: float | None = None
-    stopped_at: float | None = None
-    t, startup = 0.0, f.first_startup_s  # a process (re)starts at t
-    while t < end:
-        stopped_at = None
-        fail = job.next_failure(t, n)
-        join = t + startup
-        begin = join + f.catchup_s
-        if first_join is None and join < min(fail, end):
-            first_join = join
-        if fail < min(begin, end) or begin >= end:
-            if fail >= end:
-                break
-            job.failures += 1  # died starting up or catching up
-        else:
-            job.ran(begin, min(fail, end), n, interrupted=fail < end)
-            if fail >= end:
-                break
-            job.failures += 1
-            chip = job.chips.pick(0, n)
-            job.slow = job.chips.renew(chip, job.slow, 0, n) if chip >= 0 else 1.0
-        stopped_at = fail
-        t, startup = fail + f.restart_s, f.startup_s
-    return job.result(first_join, stopped_at if stopped_at is not None else end)
-
-
-def _elastic_data_parallel(s: Scenario, seed: int) -> Result:
-    """One job that drops a failed chip and re-forms without it; a failure
-    during a re-form starts the re-form again. A repaired chip (restarted,
-    started, caught up) joins again without a pause; chips lost while the job
-    starts up are just missing from it."""
-    job = _Job(s, seed)
-    f, end, n = s.failures, s.duration_s, job.n
-    active = n
-    repairs: deque[tuple[float, int]] = deque()  # (back at, chip), in order
-
-    def drop(t: float) -> None:
-        nonlocal active
-        job.failures += 1
-        chip = job.chips.pick(0, n)
-        job.slow = job.chips.remove(chip, job.slow, 0, n) if chip >= 0 else 1.0
-        active -= 1
-        repairs.append((t + f.restart_s + f.startup_s + f.catchup_s, chip))
-
-    def rejoin(t: float) -> None:
-        nonlocal active
-        while repairs and repairs[0][0] <= t:
-            _, chip = repairs.popleft()
-            active += 1
-            job.slow = job.chips.renew(chip, job.slow, 0, n) if chip >= 0 else 1.0
-
-    first_join = f.first_startup_s
-    t = first_join + f.catchup_s
-    fail = job.next_failure(0.0, active)
-    while fail < min(t, end) and active > 1:
-        drop(fail)
-        fail = job.next_failure(fail, active)
-    rejoin(t)
-    fail = job.next_failure(t, active)
-    while t < end:
-        back = repairs[0][0] if repairs else math.inf
-        if min(fail, back) >= end:
-            job.ran(t, end, active, interrupted=False)
-            break
-        if back < fail:
-            job.ran(t, back, active, interrupted=False)
-            t = back
-            rejoin(t)
-            fail = job.next_failure(t, active)
-            continue
-        job.ran(t, fail, active, interrupted=True)
-        reformed = fail
-        while True:  # re-form; a failure before it completes starts it again
-            drop(reformed)
-            started, reformed = reformed, reformed + f.reform_s
-            again = job.next_failure(started, active)
-            if again >= reformed or active <= 1:
-                break
-            reformed = again
-        t = reformed
-        rejoin(t)
-        fail = job.next_failure(t, active)
-    return job.result(first_join if first_join < end else None, end)
-
-
-def _dp_uptime(runs: Sequence[tuple[float, float, float]], window_s: float) -> float:
-    """Uptime when every step commits: windows holding a step completion, from
-    the first step to the last (chaos.metrics ends the span at the last step)."""
-    if not runs:
-        return 0.0
-    start, end = runs[0][0], runs[-1][1]
-    if end <= start:
-        return 1.0
-    n = math.ceil((end - start) / window_s)
-    marks = np.zeros(n + 1, dtype=np.int64)
-    singles: list[float] = []
-    for a, b, step in runs:
-        if step <= window_s:
-            lo = min(int((a - start) / window_s), n - 1)
-            hi = min(int((b - start) / window_s), n - 1)
-            marks[lo] += 1
-            marks[hi + 1] -= 1
-        else:
-            k = 0
-            while a + k * step <= b + 1e-9:
-                singles.append(a + k * step)
-                k += 1
-    hit = np.cumsum(marks[:n]) > 0
-    if singles:
-        index = np.minimum(((np.asarray(singles) - start) / window_s).astype(np.int64), n - 1)
-        hit[index] = True
-    lengths = np.full(n, window_s)
-    lengths[-1] = end - (start + (n - 1) * window_s)
-    return float(lengths[hit].sum() / (end - start))

@@ -4,16 +4,18 @@
 answers "what goodput and uptime do I get with N chips in M learners, this
 failure rate and these settings", for ftsync and for the synchronous and
 elastic data-parallel baselines, by running the production policy core
-(`coordinator.policy`) under a simulated clock (`chaos.sim_engine`).
-Scenarios are TOML files (`chaos.sim_scenario`, examples in
-`experiments/sim/`); a run writes `results.json`, `table.md` and PNG curves.
+(`coordinator.policy`) and the production learner schedule
+(`learner.schedule`) under a simulated clock. The package: `scenario` (TOML
+files, examples in `experiments/sim/`), `ftsync` (the ftsync run),
+`baselines` (data parallel), `results`, `chips`, `calibrate` (timings from a
+real run's events); a run writes `results.json`, `table.md` and PNG curves.
 
 A scenario can replay a chaos experiment's seeded kill timeline
 (`failures.replay`), which is how `experiments/sim/learner-storm.toml`
 predicts the measured goodput of `experiments/learner-storm.toml`
 (`bench/simulator.py` runs both).
 
-    from chaos.simulator import load_scenario, simulate, sweep
+    from chaos.sim import load_scenario, simulate, sweep
     scenario = load_scenario("experiments/sim/scale.toml")
     for result in sweep(scenario):
         print(result.label, result.chips, result.goodput, result.uptime)
@@ -33,12 +35,26 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from chaos.experiment import load_experiment, schedule
-from chaos.sim_engine import Kill, Result, combine, run_once
-from chaos.sim_scenario import Scenario, load_scenario
+from chaos.sim.baselines import data_parallel
+from chaos.sim.ftsync import FtsyncRun, Kill
+from chaos.sim.results import Result, combine, with_wall
+from chaos.sim.scenario import Scenario, load_scenario
 from coordinator.config import ConfigError, describe, parse_overrides
 
-__all__ = ["Result", "Scenario", "load_scenario", "main", "replay_kills", "simulate", "sweep",
-           "table", "write_outputs"]
+__all__ = ["Result", "Scenario", "load_scenario", "main", "replay_kills", "run_once",
+           "simulate", "sweep", "table", "write_outputs"]
+
+
+def run_once(scenario: Scenario, seed: int, kills: Sequence[Kill] | None = None) -> Result:
+    """Simulate the scenario's own configuration once with `seed`."""
+    started = time.perf_counter()
+    if scenario.method == "ftsync":
+        result = FtsyncRun(scenario, seed, kills).run()
+    elif kills is not None:
+        raise ValueError("a replayed kill timeline needs method 'ftsync' (one learner per slot)")
+    else:
+        result = data_parallel(scenario, seed)
+    return with_wall(result, time.perf_counter() - started)
 
 
 def simulate(scenario: Scenario, seed: int | None = None) -> Result:

@@ -4,8 +4,8 @@ A scenario is one TOML file loaded into the frozen dataclasses below with
 the coordinator's configuration loader (`coordinator.config.load`), so a
 mistake is reported with its key and line before anything runs, and `--set
 key=value` overrides any key. The `[policy]` table is the daemon's own
-`PolicyConfig`: the same knobs, the same validation. `chaos.simulator` runs
-a scenario; `chaos.sim_engine` is the discrete-event engine it drives.
+`PolicyConfig`: the same knobs, the same validation. `chaos.sim` runs a
+scenario; `chaos.sim.ftsync` and `chaos.sim.baselines` are what it drives.
 
 Times are seconds of simulated time. A *chip* is the unit that fails; a
 learner is a group of chips that trains as one data-parallel job and talks
