@@ -17,7 +17,7 @@ through a real `python -m coordinator` process, in these configurations:
 
 Then (a) and (b) again with learner 3 slowed 3×. With `--wan`, (a) and (b) once more as
 (wa) and (wb) with every learner behind a fault proxy of its own (`chaos.proxy`, in this
-process) set to a cross-region link (`--wan-latency-ms`, default 25 ms one way, and
+process, carrying every port of the coordinator) set to a cross-region link (`--wan-latency-ms`, default 25 ms one way, and
 `--wan-mbit`, default 100 Mbit/s, each direction): DiLoCo exists for slow long links, and
 on loopback a round trip costs nothing, so lock-step's wait hides inside τ steps.
 
@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from chaos.local import CoordinatorProcess
-from chaos.proxy import LinkSpec, ThreadedProxy
+from chaos.proxy import LinkSpec, ThreadedProxy, listening_ports
 from coordinator.durability import StateDir
 
 LEARNERS = 4
@@ -235,7 +235,13 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
     try:
         coordinator.start()
         if config.wan:
-            proxies = [ThreadedProxy(coordinator.address, link=s.wan) for _ in range(LEARNERS)]
+            # Each on an address of its own, mirroring every port of the coordinator, so
+            # no connection a learner opens to "the coordinator's host" goes around its link.
+            assert coordinator.process is not None
+            mirrored = tuple(port for port in listening_ports(coordinator.process.pid)
+                             if port != coordinator.port)
+            proxies = [ThreadedProxy(coordinator.address, host=f"127.0.0.{2 + i}", link=s.wan,
+                                     mirror_ports=mirrored) for i in range(LEARNERS)]
             for proxy in proxies:
                 proxy.start()
         launched = time.monotonic()

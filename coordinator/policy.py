@@ -177,6 +177,10 @@ class _Learner:
     overlap_steps: int
     joined_at: float
     last_seen: float
+    # The first seq of its current life (the `next_seq` its last Join was given). A
+    # push of a life that ended (the process restarted) is never replaced by one since:
+    # the new life's outer gradient holds none of the old one's progress.
+    first_seq: int = 1
     left: bool = False
     local_step: int = 0
     step_sample_at: float | None = None
@@ -195,12 +199,13 @@ class _Round:
     def learners(self) -> set[str]:
         return {c.id.learner_id for c in self.contributions}
 
-    def standing(self, learner_id: str, base_version: int) -> int | None:
-        """Index of the learner's contribution against `base_version` that no
-        later push has replaced, if the round holds one."""
+    def standing(self, learner_id: str, base_version: int, first_seq: int) -> int | None:
+        """Index of the learner's contribution against `base_version`, of its
+        current life (seq from `first_seq` on), that no later push has replaced, if
+        the round holds one."""
         for i, c in enumerate(self.contributions):
             if (c.id.learner_id == learner_id and c.id.base_version == base_version
-                    and c.replaced_by is None):
+                    and c.id.seq >= first_seq and c.replaced_by is None):
                 return i
         return None
 
@@ -254,14 +259,15 @@ class Policy:
         contributes: it catches up first and meanwhile holds no round open, and
         its previous life's liveness does not carry over."""
         again = learner_id in self._learners or learner_id in self._seen_seq
+        first_seq = self._seen_seq.get(learner_id, 0) + 1
         self._learners[learner_id] = _Learner(
             overlap_steps=overlap_steps or self.config.default_overlap_steps,
-            joined_at=now, last_seen=now)
+            joined_at=now, last_seen=now, first_seq=first_seq)
         if again:
             self.membership.drop(learner_id)
         else:
             self.membership.renew(learner_id, now)
-        return self._seen_seq.get(learner_id, 0) + 1
+        return first_seq
 
     def heartbeat(self, learner_id: str, now: float, local_step: int) -> None:
         learner = self._member(learner_id)
@@ -372,7 +378,8 @@ class Policy:
             raise Rejected(Reason.DRAINING,
                            f"this coordinator is draining: it opens no new round (fragment "
                            f"{cid.fragment}); push to the next leader, or again once it is back")
-        standing = frag.round.standing(cid.learner_id, cid.base_version)
+        standing = frag.round.standing(cid.learner_id, cid.base_version,
+                                       self._member(cid.learner_id).first_seq)
         if standing is not None:
             # The newer push carries the progress since the older one, which the round
             # already holds at its weight: the two count once, at that weight.
@@ -391,11 +398,12 @@ class Policy:
         if admission.target_version != frag.round.version:
             raise ValueError("admission is for a round that has closed; admit again")
         self._check_fresh(frag, offer.id)
-        standing = frag.round.standing(offer.id.learner_id, offer.id.base_version)
+        learner = self._member(offer.id.learner_id)
+        standing = frag.round.standing(offer.id.learner_id, offer.id.base_version,
+                                       learner.first_seq)
         replaces = None if standing is None else frag.round.contributions[standing].id
         if admission.replaces != replaces:
             raise ValueError("the round changed since the admission; admit again")
-        learner = self._member(offer.id.learner_id)
         learner.last_seen = now
         self.membership.renew(offer.id.learner_id, now)
         self._sample_step_time(learner, now, offer.local_step)

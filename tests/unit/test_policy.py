@@ -177,6 +177,26 @@ def test_a_second_push_against_the_same_base_replaces_the_first() -> None:
     assert policy.merged_seq(0, "a") == 3
 
 
+def test_a_restarted_learner_s_push_is_merged_beside_its_previous_life_s() -> None:
+    """Killed after its push was acknowledged into a round still open, a learner
+    restarts, catches up to the same version and pushes against it: an outer gradient
+    of its new life alone, holding none of the old push's progress. Replacing the old
+    push would count the two at one weight, summed (twice the learner's step)."""
+    policy = three_learners(PolicyConfig(min_quorum=2, grace_max_s=0.0), versions={0: 3})
+    before = contribute(policy, 1.0, "a", seq=1, base=3, tokens=100, steps=10)
+    first_seq = policy.join("a", 2.0)  # the restarted process
+    assert first_seq == 2
+    after = contribute(policy, 3.0, "a", seq=first_seq, base=3, tokens=100, steps=10)
+    assert after.replaces is None and after.weight == pytest.approx(1000.0)
+    # Within the new life, a second push does replace the first.
+    again = contribute(policy, 3.5, "a", seq=3, base=3, tokens=200, steps=10)
+    assert again.replaces == after.offer.id
+    contribute(policy, 4.0, "b", seq=1, base=3)
+    closed = policy.close(0, 4.0)
+    weights = {c.id.seq: c.weight for c in closed.manifest if c.id.learner_id == "a"}
+    assert weights == {1: before.weight, 2: 0.0, 3: after.weight}
+
+
 def test_a_replacement_admitted_before_the_round_changed_is_admitted_again() -> None:
     policy = three_learners(PolicyConfig(min_quorum=3))
     stale = policy.admit(make_offer("a", seq=2), 0.0)  # nothing to replace yet
@@ -875,6 +895,7 @@ configs = st.builds(
 class ModelLearner:
     last_seen: float
     local_step: int = 0
+    first_seq: int = 1  # of its current life: older pushes are never replaced
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -917,8 +938,9 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def standing(self, cid: ContributionId) -> int | None:
         """The model's entry the learner has in the open round against `cid`'s base."""
+        first_seq = self.members[cid.learner_id].first_seq
         return next((i for i, c in enumerate(self.rounds[cid.fragment])
-                     if c.id.learner_id == cid.learner_id
+                     if c.id.learner_id == cid.learner_id and c.id.seq >= first_seq
                      and c.id.base_version == cid.base_version and c.replaced_by is None),
                     None)
 
@@ -1002,7 +1024,8 @@ class PolicyMachine(RuleBasedStateMachine):
         # Joining again (a restart): not live until heard from, while it catches up.
         again = learner in self.joined_ever
         self.joined_ever.add(learner)
-        self.members[learner] = ModelLearner(last_seen=-math.inf if again else self.now)
+        self.members[learner] = ModelLearner(last_seen=-math.inf if again else self.now,
+                                             first_seq=seq)
 
     @rule(learner=st.sampled_from((*LEARNERS, GHOST)), progress=st.integers(0, 3))
     def heartbeat(self, learner: str, progress: int) -> None:
