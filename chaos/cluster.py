@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
 from chaos.failover import Tail, find_leader
+from chaos.proxy import LinkSpec
 from coordinator.certs import make_certificates
 from learner.cli import PROGRESS
 from protos import ftsync_pb2 as pb
@@ -344,7 +345,8 @@ class Cluster(abc.ABC, Generic[H]):
                 else "partitioned"
         elif slot is not None and slot.proxy is not None:
             detail = self._network(slot.proxy, kind, action.heal, fault.latency_ms,
-                                   fault.bandwidth_bytes_s)
+                                   fault.bandwidth_bytes_s,
+                                   self.experiment.link_for(slot.learner_id))
         self.events.emit("fault", fault=kind, target=target,
                          action="heal" if action.heal else "inject", detail=detail)
         if take_over and slot is not None:
@@ -501,12 +503,14 @@ class Cluster(abc.ABC, Generic[H]):
         return f"no push in flight within {MOMENT_WAIT_S:g} s"
 
     @staticmethod
-    def _network(proxy: Link, kind: str, heal: bool, latency_ms: float, bandwidth: int) -> str:
+    def _network(proxy: Link, kind: str, heal: bool, latency_ms: float, bandwidth: int,
+                 link: LinkSpec) -> str:
+        """Apply a link fault, or heal it back to the experiment's `link`."""
         if kind == "latency":
-            proxy.set_latency(0 if heal else latency_ms)
+            proxy.set_latency(link.latency_ms if heal else latency_ms)
             return "" if heal else f"{latency_ms:g} ms"
         if kind == "bandwidth":
-            proxy.set_bandwidth(None if heal else bandwidth)
+            proxy.set_bandwidth(link.bandwidth if heal else bandwidth)
             return "" if heal else f"{bandwidth} B/s"
         if not heal:
             proxy.reset_connections()

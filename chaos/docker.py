@@ -424,9 +424,15 @@ class DockerCluster(Cluster[ContainerProcess]):
 
     def _start_proxy(self, slot: Slot) -> None:
         name = f"proxy-{slot.learner_id}"
+        spec = self.experiment.link_for(slot.learner_id)
+        # Flags only for a link of the experiment's: images from before them still run.
+        flags = [] if spec == proxy_control.LinkSpec() else [
+            "--latency-ms", str(spec.latency_ms), "--bandwidth-bytes-s",
+            str(spec.bandwidth_bytes_s)]
         container = self._run(name, [
             "python3", "-m", "chaos.proxy", "--listen", f"0.0.0.0:{PROXY_PORT}",
-            "--upstream", f"coordinator:{GRPC_PORT}", "--control", f"0.0.0.0:{CONTROL_PORT}"],
+            "--upstream", f"coordinator:{GRPC_PORT}", "--control", f"0.0.0.0:{CONTROL_PORT}",
+            *flags],
             ports=[CONTROL_PORT])
         self._await(container, name,
                     lambda: "proxy listening on" in container.logs().decode(errors="replace"),

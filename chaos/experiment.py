@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from chaos.proxy import LinkSpec
 from coordinator.config import ConfigError, CoordinatorConfig, load
 
 FaultKind = Literal[
@@ -262,6 +263,12 @@ class Experiment:
     max_duration_s: float = 300.0
     # Put a fault-injecting TCP proxy between every learner and the coordinator.
     proxy: bool = True
+    # Every learner's link through its proxy from the start (one-way latency_ms and
+    # bandwidth_bytes_s each direction, 0: no cap), e.g. a cross-region link; a
+    # latency or bandwidth fault switches away from it and its heal comes back to it.
+    link: LinkSpec = field(default_factory=LinkSpec)
+    # One learner's own link instead: [links.learner-2].
+    links: Mapping[str, LinkSpec] = field(default_factory=dict)
     # Mutual TLS on every channel (learners, replicas, peers, etcd, the harness's own
     # Admin calls), with a CA and certificates the run makes under OUT/certs.
     tls: bool = False
@@ -280,6 +287,12 @@ class Experiment:
             raise ValueError(f"max_duration_s must be positive and finite "
                              f"(got {self.max_duration_s})")
         ids = set(self.learners.ids())
+        for learner_id in self.links:
+            if learner_id not in ids:
+                raise ValueError(f"links.{learner_id} is not a learner of this experiment "
+                                 f"({', '.join(sorted(ids))})")
+        if not self.proxy and (self.links or self.link != LinkSpec()):
+            raise ValueError("link and links need proxy = true (the proxy emulates the link)")
         for i, fault in enumerate(self.faults):
             if fault.at_s is not None and fault.at_s >= self.max_duration_s:
                 raise ValueError(f"faults.{i}.at_s {fault.at_s:g} is not before the end of the "
@@ -302,6 +315,10 @@ class Experiment:
     @property
     def highly_available(self) -> bool:
         return self.coordinator.replicas > 1
+
+    def link_for(self, learner_id: str) -> LinkSpec:
+        """The link `learner_id`'s proxy emulates when no fault is on it."""
+        return self.links.get(learner_id, self.link)
 
     def _check_ha_topology(self) -> None:
         replicas, discovery = self.coordinator.replicas, self.learners.discovery

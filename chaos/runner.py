@@ -89,7 +89,8 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
             self._started("coordinator", "coordinator", self.coordinator.process)
         for slot in self.learners:
             if self.experiment.proxy:
-                proxy = ThreadedProxy(self.coordinator.address)
+                proxy = ThreadedProxy(self.coordinator.address,
+                                      link=self.experiment.link_for(slot.learner_id))
                 proxy.start()
                 slot.proxy = proxy
             self.start_learner(slot, self.experiment.learners.steps)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.experiment import load_experiment, schedule
+from chaos.experiment import Experiment, load_experiment, schedule
+from chaos.proxy import LinkSpec
 from coordinator.config import ConfigError
 
 EXPERIMENTS = sorted(Path(__file__).parents[2].joinpath("experiments").glob("*.toml"))
@@ -82,6 +83,40 @@ def test_network_faults_need_the_proxy(tmp_path: Path) -> None:
     text = BASE.replace('name = "t"', 'name = "t"\nproxy = false') + (
         '\n[[faults]]\nkind = "partition_learner"\nat_s = 1\n')
     assert "needs proxy = true" in error_of(tmp_path, text)
+
+
+def test_links_from_the_start_per_experiment_and_per_learner(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(BASE + '\n[link]\nlatency_ms = 25\nbandwidth_bytes_s = 12_500_000\n'
+                    '\n[links.learner-2]\nlatency_ms = 150\n')
+    experiment = load_experiment(path)
+    assert experiment.link_for("learner-0") == LinkSpec(25, 12.5e6)
+    assert experiment.link_for("learner-2") == LinkSpec(150, 0)
+    assert load_experiment_text(tmp_path, BASE).link_for("learner-1") == LinkSpec()
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    ("[link]\nlatency_ms = -1\n", ["link.latency_ms", "must be >= 0 and finite", "line 9"]),
+    ("[link]\nbandwidth_bytes_s = nan\n", ["bandwidth_bytes_s must be >= 0", "line 9"]),
+    ("[link]\nlatency = 5\n", ["unknown key 'link.latency'", "line 9"]),
+    ("[links.learner-7]\nlatency_ms = 5\n", ["links.learner-7 is not a learner"]),
+])
+def test_bad_links_are_refused_naming_the_key(tmp_path: Path, extra: str,
+                                              needles: list[str]) -> None:
+    message = error_of(tmp_path, BASE + "\n" + extra)
+    assert all(needle in message for needle in needles), message
+
+
+def test_a_link_needs_the_proxy(tmp_path: Path) -> None:
+    text = BASE.replace('name = "t"', 'name = "t"\nproxy = false') + (
+        "\n[link]\nlatency_ms = 25\n")
+    assert "link and links need proxy = true" in error_of(tmp_path, text)
+
+
+def load_experiment_text(tmp_path: Path, text: str) -> Experiment:
+    path = tmp_path / "plain.toml"
+    path.write_text(text)
+    return load_experiment(path)
 
 
 def test_other_sections_are_checked_too(tmp_path: Path) -> None:

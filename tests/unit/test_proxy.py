@@ -545,3 +545,19 @@ def test_mirrored_ports_of_the_upstream_host_cross_the_same_link() -> None:
                 await asyncio.open_connection("127.0.0.2", second)
 
     asyncio.run(scenario())
+
+
+def test_a_link_fault_heals_back_to_the_experiments_link() -> None:
+    from chaos.cluster import Cluster
+
+    link = LinkSpec(latency_ms=25, bandwidth_bytes_s=12_500_000)
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo) as echo, \
+            ThreadedProxy(f"127.0.0.1:{echo.server_address[1]}", link=link) as proxy:
+        assert Cluster._network(proxy, "latency", False, 200, 0, link) == "200 ms"
+        assert Cluster._network(proxy, "bandwidth", False, 0, 1000, link) == "1000 B/s"
+        assert proxy.describe()["latency_ms"] == 200
+        assert proxy.describe()["bandwidth_bytes_per_s"] == 1000
+        Cluster._network(proxy, "latency", True, 200, 0, link)
+        Cluster._network(proxy, "bandwidth", True, 0, 1000, link)
+        assert proxy.describe()["latency_ms"] == 25
+        assert proxy.describe()["bandwidth_bytes_per_s"] == 12_500_000
