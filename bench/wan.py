@@ -19,9 +19,11 @@ inside the timed window. The link-rate bound of an exchange is what the link alo
 pull and its answer), with the tensor bytes the codec puts in its chunks (framing is ours
 to pay). **ratio** = fp32 bound / fp32 exchange time (target ≥ 0.85). **int8_speedup** and
 **e3m0_speedup** = fp32 exchange time / that codec's (targets ≥ 3 and ≥ 5): pushes travel
-in the codec; pulls travel in it too where the client can ask for compressed pulls, and as
-fp32 otherwise (`pull_compressed` says which), which bounds the speedup at 8/5 for int8.
-Codecs alternate exchange by exchange and the best of each counts.
+in the codec; pulls too where the coordinator serves compressed deltas to a learner
+pushing in a codec, and as fp32 otherwise, which bounds the speedup at 8/5 for int8
+(`pull_compressed` says which, from the bytes the link carried down). Each codec runs its
+exchanges in a row (a delta is against the reference the previous pull of that codec
+left) and the best of each counts.
 
 Run from the repository root: `python -m bench.wan [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
@@ -149,9 +151,9 @@ async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: F
                                    f"initial value pushed")
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CODEC_NAMES}
         version = 0
-        for _ in range(rounds):
-            for name in CODEC_NAMES:
-                client.codec = codec_named(name)
+        for name in CODEC_NAMES:
+            client.codec = codec_named(name)
+            for _ in range(rounds):
                 result = await exchange(client, deltas, version, proxy)
                 version += 1
                 runs[name].append(result)
@@ -179,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="one-way latency of the link, each direction (default 25)")
     parser.add_argument("--bandwidth-mbit", type=float, default=1000.0,
                         help="bandwidth of the link in Mbit/s, each direction (default 1000)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="exchanges per codec; the best counts (default 2)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="exchanges per codec in a row; the best counts (default 3)")
     args = parser.parse_args(argv)
     try:
         link = LinkSpec(latency_ms=args.latency_ms,
@@ -197,8 +199,6 @@ def main(argv: list[str] | None = None) -> None:
     theta, delta = make_model(args.params)
     deltas = split(delta, sizes)
     payload = {name: payload_bytes(deltas, name, args.chunk_bytes) for name in CODEC_NAMES}
-    # Pulls are fp32: the client cannot ask for them compressed (yet).
-    pulled = payload["fp32"]
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-wan-") as tmp:
         daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
                                     args=["--set", "fsync=false"]).start()
@@ -218,9 +218,13 @@ def main(argv: list[str] | None = None) -> None:
     round_trips_s = 2 * (2 * link.latency_ms / 1000)
     codecs: dict[str, Any] = {}
     best = {name: min(runs[name], key=lambda r: r["seconds"]) for name in CODEC_NAMES}
+    compressed: dict[str, bool] = {}
     for name in CODEC_NAMES:
-        bound = (payload[name] + pulled) / rate + round_trips_s
         result = best[name]
+        # Pulls in the codec when the link carried clearly fewer bytes down than fp32's.
+        compressed[name] = result["wire_down"] < 0.9 * payload["fp32"]
+        pulled = payload[name] if compressed[name] else payload["fp32"]
+        bound = (payload[name] + pulled) / rate + round_trips_s
         codecs[name] = {
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
             "runs_s": [round(r["seconds"], 3) for r in runs[name]],
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         "bf16_speedup": codecs["bf16"]["speedup_vs_fp32"],
         "int8_push_speedup": codecs["int8"]["push_speedup_vs_fp32"],
         "e3m0_push_speedup": codecs["e3m0"]["push_speedup_vs_fp32"],
-        "pull_compressed": False,
+        "pull_compressed": {name: compressed[name] for name in CODEC_NAMES if name != "fp32"},
         "grpc_port": daemon.port,
         "mirrored_ports": mirrored,
         "connections_by_port": routes,
