@@ -10,6 +10,7 @@ a small reference model after every step.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -922,6 +923,8 @@ class PolicyMachine(RuleBasedStateMachine):
         self.reserved: dict[str, int] = {}
         # Every seq accepted, per learner, across restarts: join stays above them.
         self.acknowledged: dict[str, int] = {}
+        # The first seq of each of a learner's lives (each join's), in order.
+        self.lives: dict[str, list[int]] = {}
         self.closes = 0
         self.accepted = 0
         for learner in joined:
@@ -978,9 +981,12 @@ class PolicyMachine(RuleBasedStateMachine):
         self.versions[p] = closed.version
         # The manifest is exactly what was accepted, in order, with the replacements.
         assert closed.manifest == tuple(self.rounds[p])
-        # One standing contribution per learner and base; a replaced one weighs nothing
-        # and names the later push of the same learner and base that took its place.
-        standing = [(c.id.learner_id, c.id.base_version) for c in closed.manifest
+        # One standing contribution per learner, base and life; a replaced one weighs
+        # nothing and names the later push of the same learner and base that took its
+        # place, in the same life.
+        def life(c: MergedContribution) -> int:
+            return bisect.bisect_right(self.lives[c.id.learner_id], c.id.seq)
+        standing = [(c.id.learner_id, c.id.base_version, life(c)) for c in closed.manifest
                     if c.replaced_by is None]
         assert len(standing) == len(set(standing))
         for i, c in enumerate(closed.manifest):
@@ -989,6 +995,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert any(later.id.seq == c.replaced_by
                            and later.id.learner_id == c.id.learner_id
                            and later.id.base_version == c.id.base_version
+                           and life(later) == life(c)
                            for later in closed.manifest[i + 1:])
         learners = {c.id.learner_id for c in closed.manifest}
         assert len(learners) >= self.config.min_quorum, "closed below quorum"
@@ -1021,6 +1028,7 @@ class PolicyMachine(RuleBasedStateMachine):
         assert seq == self.seen.get(learner, 0) + 1
         # Above every seq ever acknowledged, in rounds a restart lost too.
         assert seq > self.acknowledged.get(learner, 0)
+        self.lives.setdefault(learner, []).append(seq)
         # Joining again (a restart): not live until heard from, while it catches up.
         again = learner in self.joined_ever
         self.joined_ever.add(learner)
