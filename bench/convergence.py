@@ -48,7 +48,10 @@ end-of-run evaluations is reported beside it.
 
 **ratio** = loss(a) / loss(b) (target ≤ 1.03); **straggler_ratio** = wall(b) / wall(a)
 with the straggler (target ≥ 1.5); **wan_wall_ratio** = wall(wb) / wall(wa) (target ≥ 1.3)
-at **wan_loss_ratio** = loss(wa) / loss(wb) (target ≤ 1.03).
+at **wan_loss_ratio** = loss(wa) / loss(wb) (target ≤ 1.03). With `--only ai,ai32`, (ai)
+async with int8 pushes and int8 delta pulls against (ai32) the same with fp32 pulls:
+**delta_pull_loss_ratio** = loss(ai) / loss(ai32) (target ≤ 1.01), and the coordinator's
+tensor bytes in and out of each (`delta_pull_bytes`).
 
 Run from the repository root: `python -m bench.convergence [--quick] [--wan]`. Progress goes to
 stderr; the last line of stdout is one JSON object.
@@ -118,6 +121,9 @@ class Config:
     averaging: bool = False
     # Every learner behind a proxy of its own set to the `Settings.wan` link.
     wan: bool = False
+    # The learners' --compression, and whether they pull in fp32 all the same.
+    compression: str = "fp32"
+    fp32_pulls: bool = False
 
 
 CONFIGS = {c.key: c for c in (
@@ -129,6 +135,10 @@ CONFIGS = {c.key: c for c in (
     Config("sb", "sync, learner 3 slowed 3x", sync=True, straggler=True),
     Config("wa", "async over a cross-region link", sync=False, straggler=False, wan=True),
     Config("wb", "sync over a cross-region link", sync=True, straggler=False, wan=True),
+    Config("ai", "async, int8 pushes and int8 delta pulls", sync=False, straggler=False,
+           compression="int8"),
+    Config("ai32", "async, int8 pushes and fp32 pulls", sync=False, straggler=False,
+           compression="int8", fp32_pulls=True),
 )}
 
 
@@ -217,7 +227,10 @@ def learner_command(config: Config, s: Settings, index: int, address: str,
                "--overlap", str(s.overlap), "--threads", "1",
                "--step-ms", str(s.device_ms * (s.slowdown if straggler else 1.0)),
                "--progress-every", str(s.progress_every),
+               "--compression", config.compression,
                "--event-log", str(run_dir / f"learner-{index}.events.jsonl")]
+    if config.fp32_pulls:
+        command.append("--fp32-pulls")
     return [*command, "--lockstep"] if config.sync else command
 
 
@@ -341,6 +354,9 @@ def run_cluster(config: Config, s: Settings) -> dict[str, Any]:
         "dropped": [summary.get("dropped") for summary in summaries if summary],
         "versions": {f.fragment: f.version for f in status.fragments},
         "rejections": dict(status.rejections),
+        # What the coordinator received and sent, in tensor bytes.
+        "bytes_in": status.bytes_in,
+        "bytes_out": status.bytes_out,
         # What each learner's link carried, up (to the coordinator) and down.
         "link_bytes": [[link["bytes_up"], link["bytes_down"]] for link in links],
     }
@@ -463,9 +479,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-threads", type=int, default=2,
                         help="torch threads of the single-process baseline (default 2)")
     parser.add_argument("--only",
-                        help="configurations to run, of a,b,b1,c,sa,sb (default "
-                             "a,b,c,sa,sb: b1, a second sync reference, only on request, "
-                             "which keeps the full run within 6 minutes)")
+                        help="configurations to run, of a,b,b1,c,sa,sb,ai,ai32 (default "
+                             "a,b,c,sa,sb: b1, a second sync reference, and ai,ai32, int8 "
+                             "with delta pulls against int8 with fp32 pulls, only on "
+                             "request, which keeps the full run within 6 minutes)")
     parser.add_argument("--wan", action="store_true",
                         help="also run (wa) async and (wb) sync with every learner behind a "
                              "proxy set to a cross-region link")
@@ -482,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [key for key in only if key not in (*CONFIGS, "c")]
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from a, b, b1, c, sa, sb, "
-                     f"wa, wb")
+                     f"wa, wb, ai, ai32")
     if args.slowdown < 1:
         parser.error("--slowdown must be at least 1")
     try:
@@ -572,6 +589,11 @@ def run(s: Settings, only: list[str]) -> dict[str, Any]:
         "loss_wan_b": figure("wb", "eval_loss"),
         "wall_wan_a_s": figure("wa", "wall_s"),
         "wall_wan_b_s": figure("wb", "wall_s"),
+        "delta_pull_loss_ratio": ratio(figure("ai", "eval_loss"), figure("ai32", "eval_loss")),
+        "delta_pull_target": 1.01,
+        "delta_pull_unit": "held-out loss, int8 pushes with int8 delta pulls / with fp32 pulls",
+        "delta_pull_bytes": {key: {"in": figure(key, "bytes_in"), "out": figure(key, "bytes_out")}
+                             for key in ("ai", "ai32") if key in results},
         "settings": {
             "task": TASK, "size": s.size, "learners": LEARNERS,
             "steps_per_learner": s.steps, "tokens_per_learner_step": tokens_per_step,

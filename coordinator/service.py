@@ -23,18 +23,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.engine import Engine, FragmentView
 from coordinator.errors import Cut, Reason, Rejected
+from coordinator.references import References, Served
 from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata, telemetry
 from protos.bulk import Grant, Handoff, send_frames
-from protos.codec import codec_named, iter_chunk_messages
+from protos.codec import Codec, CodecError, codec_for, codec_named, iter_chunk_messages
 from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
 T = TypeVar("T")
@@ -110,6 +112,8 @@ def role_allowed(context: Context, token: str, role: str, mutual: bool) -> bool:
 class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # What learners pulling with a codec rebuild from deltas.
+        self.references = References(engine.config.limits.chunk_bytes)
 
     async def Join(self, request: pb.JoinRequest,
                    context: Context) -> pb.JoinResponse:
@@ -194,6 +198,10 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         try:
             self.engine.authenticate(request.learner_id, bearer_token(context),
                                      peer_names(context))
+            try:
+                codec = codec_for(request.codec)
+            except CodecError as exc:
+                raise Rejected(Reason.BAD_ENCODING, str(exc)) from exc
             published = await self.engine.pull(request.learner_id, request.fragment,
                                                request.have_version, wait_s)
         except Rejected as rejected:
@@ -206,9 +214,21 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         if published.trace is not None:
             await context.send_initial_metadata(
                 ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
-        stream = (self._send_bulk(request.learner_id, request.fragment, published)
+        values, fields = published.params, {}
+        if codec is not _FP32:
+            served = await asyncio.to_thread(self.references.serve, request.fragment, codec,
+                                             published, request.have_version,
+                                             request.have_reference)
+            if served.values is None:
+                async for message in self._stream_delta(request.learner_id, request.fragment,
+                                                        published, codec, served):
+                    yield message
+                return
+            values, fields = served.values, {"reference": served.reference}
+        stream = (self._send_bulk(request.learner_id, request.fragment, published, values,
+                                  fields)
                   if request.bulk and self.engine.bulk is not None else
-                  self._stream(request.learner_id, request.fragment, published))
+                  self._stream(request.learner_id, request.fragment, published, values, fields))
         async for message in stream:
             yield message
 
@@ -225,38 +245,56 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 yield pb.PullMessage(header=pb.PullHeader(fragment=fragment, version=-1,
                                                           epoch=self.engine.epoch))
                 continue
-            async for message in self._stream(request.learner_id, fragment, published):
+            async for message in self._stream(request.learner_id, fragment, published,
+                                              published.params, {}):
                 yield message
 
     def _pull_header(self, learner_id: str, fragment: int, published: Published,
-                     **bulk: Any) -> pb.PullMessage:
+                     **fields: Any) -> pb.PullMessage:
         return pb.PullMessage(header=pb.PullHeader(
             fragment=fragment, version=published.version, numel=published.params.size,
             merged_seq=published.watermarks.get(learner_id, 0), epoch=self.engine.epoch,
-            commit_id=published.commit_id, **bulk))
+            commit_id=published.commit_id, **fields))
 
-    async def _stream(self, learner_id: str, fragment: int,
-                      published: Published) -> AsyncIterator[pb.PullMessage]:
-        yield self._pull_header(learner_id, fragment, published)
-        for message in iter_chunk_messages(published.params, _FP32, pb.PullMessage,
+    async def _stream(self, learner_id: str, fragment: int, published: Published,
+                      values: np.ndarray, fields: dict[str, Any],
+                      ) -> AsyncIterator[pb.PullMessage]:
+        """`values` (the version's own, or a codec's reference at it) as fp32 chunks."""
+        yield self._pull_header(learner_id, fragment, published, **fields)
+        for message in iter_chunk_messages(values, _FP32, pb.PullMessage,
                                            self.engine.config.limits.chunk_bytes):
             # 4 bytes per fp32 element: reading len(chunk.data) would copy the chunk.
             self.engine.count_sent(4 * message.chunk.count)
             yield message
         self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
 
-    async def _send_bulk(self, learner_id: str, fragment: int,
-                         published: Published) -> AsyncIterator[pb.PullMessage]:
-        """A header with a ticket, then the committed buffer itself as frames on the
-        connection the ticket opens. A learner that never comes, or goes away, gets
-        nothing more: its pull fails and it pulls again."""
+    async def _stream_delta(self, learner_id: str, fragment: int, published: Published,
+                            codec: Codec, served: Served) -> AsyncIterator[pb.PullMessage]:
+        """The change to the learner's reference, as the chunks encoded at the chain's
+        advance: on the call, since compressed they are a fraction of the values."""
+        assert served.delta is not None
+        yield self._pull_header(learner_id, fragment, published, codec=codec.wire,
+                                delta=True, reference=served.reference)
+        for offset, count, scale, data in served.delta:
+            self.engine.count_sent(len(data))
+            yield pb.PullMessage(chunk=pb.Chunk(offset=offset, count=count, scale=scale,
+                                                data=data))
+        self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
+
+    async def _send_bulk(self, learner_id: str, fragment: int, published: Published,
+                         values: np.ndarray, fields: dict[str, Any],
+                         ) -> AsyncIterator[pb.PullMessage]:
+        """A header with a ticket, then `values` (the committed buffer itself, or a
+        codec's reference at it) as frames on the connection the ticket opens. A
+        learner that never comes, or goes away, gets nothing more: its pull fails and it
+        pulls again."""
         bulk = self.engine.bulk
         assert bulk is not None
         handoff = Handoff(Grant(learner_id, fragment, published.version))
         ticket = bulk.tickets.issue(handoff)
         try:
             yield self._pull_header(learner_id, fragment, published, ticket=ticket,
-                                    bulk_port=bulk.port)
+                                    bulk_port=bulk.port, **fields)
             try:
                 async with asyncio.timeout(bulk.tickets.ttl_s):
                     conn = await asyncio.shield(handoff.connection)
@@ -264,7 +302,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 return
             reusable = False
             try:
-                sent = await bulk.run(conn, lambda: send_frames(conn, published.params))
+                sent = await bulk.run(conn, lambda: send_frames(conn, values))
                 reusable = True
             except (OSError, ConnectionError):
                 return

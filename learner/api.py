@@ -62,7 +62,10 @@ class Learner:
                  tokens_per_step: int | None = None, event_log: str = "",
                  connect_timeout_s: float = 60.0, max_backlog: int = 8,
                  peers: Sequence[str] = (), serve_peers: str | None = None,
-                 peer_transport: str = "bulk", tls: TlsConfig | None = None) -> None:
+                 peer_transport: str = "bulk", tls: TlsConfig | None = None,
+                 fp32_pulls: bool = False) -> None:
+        """`fp32_pulls`: pull the committed values even when pushing compressed, rather
+        than compressed deltas (the baseline `bench.convergence` compares them with)."""
         peer_settings = PeerSettings(peers=tuple(peers), serve=serve_peers,
                                      transport=peer_transport,
                                      insecure=tls is not None and tls.insecure)
@@ -76,7 +79,8 @@ class Learner:
             coordinator, self.learner_id, self.plan.hash, self.plan.numels, token=token,
             overlap_steps=overlap, codec=compression,
             retry=Retry(give_up_after_s=connect_timeout_s), events=self.events,
-            device=str(self.device), tls=material)
+            device=str(self.device), tls=material,
+            pull_codec="fp32" if fp32_pulls else None)
         view = FragmentView(self.model, self.plan)
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,

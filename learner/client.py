@@ -20,6 +20,12 @@ leader the new one does not know the learner: the client joins again and
 pushes every contribution still in the outbox; the ones already merged are
 recognised by their ids and settled.
 
+A learner that pushes with a codec pulls with it too: it holds, per fragment,
+the coordinator's reference for that codec (`PullHeader.reference`) and asks
+for the next version as a compressed delta to add to it (`protos.codec.add_delta`,
+the coordinator's own addition, so the two copies agree bit for bit); without
+one it gets the reference itself in fp32.
+
 Called by the learner runtime (`learner.streaming`) on its background loop.
 """
 
@@ -45,7 +51,16 @@ from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos.bulk import BulkError, BulkPool, BulkUnreachable
-from protos.codec import MESSAGE_SIZE_OPTIONS, Codec, codec_named, iter_chunk_messages
+from protos.codec import (
+    FP32,
+    MESSAGE_SIZE_OPTIONS,
+    Codec,
+    CodecError,
+    add_delta,
+    codec_for,
+    codec_named,
+    iter_chunk_messages,
+)
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial, aio_channel, diagnose
@@ -181,7 +196,9 @@ class SynchronizerClient:
                  codec: str = "fp32", retry: Retry | None = None,
                  events: EventLog | None = None, device: str = "cpu",
                  tls: TlsMaterial | None = None, metrics: LearnerMetrics | None = None,
-                 bulk: bool = True) -> None:
+                 bulk: bool = True, pull_codec: str | None = None) -> None:
+        """`pull_codec`: the codec pulls ask for deltas in (None: `codec`'s; "fp32":
+        the committed values, as before compressed pulls)."""
         self.learner_id = learner_id
         # Fragment bytes on the coordinator's bulk port (TLS as the gRPC channel is);
         # gRPC chunks with `bulk` off, and to a coordinator whose port is unreachable.
@@ -196,6 +213,10 @@ class SynchronizerClient:
         self.numels = numels
         self.overlap_steps = overlap_steps
         self.codec: Codec = codec_named(codec)
+        self.pull_codec: Codec = self.codec if pull_codec is None else codec_named(pull_codec)
+        # Per fragment, the coordinator's reference of `pull_codec` held: (version, its id,
+        # values), read-only, since the next delta is added to exactly these values.
+        self.references: dict[int, tuple[int, int, np.ndarray]] = {}
         self.retry = retry or Retry()
         self.events = events or EventLog("")
         self.device = device
@@ -517,7 +538,11 @@ class SynchronizerClient:
     async def pull(self, fragment: int, have_version: int, wait_s: float) -> Pulled | None:
         """The fragment if a version newer than `have_version` appears within `wait_s`."""
         request = pb.PullRequest(learner_id=self.learner_id, fragment=fragment,
-                                 have_version=have_version, wait_ms=int(wait_s * 1000))
+                                 have_version=have_version, wait_ms=int(wait_s * 1000),
+                                 codec=self.pull_codec.wire)
+        held = self.references.get(fragment)
+        if held is not None and held[0] == have_version:
+            request.have_reference = held[1]
 
         async def pull_once() -> Pulled | None:
             address = self.address
@@ -600,19 +625,47 @@ class SynchronizerClient:
             raise StreamError("bad_shape", f"pulled fragment {header.fragment} of "
                                            f"{header.numel} elements does not fit the layout "
                                            f"({len(self.numels)} fragments)")
+        base = self._delta_base(header)
+        try:
+            codec = codec_for(header.codec) if base is not None else FP32
+        except CodecError as exc:
+            raise StreamError("bad_encoding", f"pulled fragment {header.fragment}: {exc}") \
+                from None
         values = np.empty(header.numel, dtype=np.float32)
-        reader = ChunkReader(header.numel, f"fragment {header.fragment}")
+        reader = ChunkReader(header.numel, f"fragment {header.fragment}", codec)
         if header.ticket:
             await asyncio.to_thread(self._bulk.pull, host, header.bulk_port, header.ticket,
                                     reader, values)
             reader.refuse_more(await anext(stream, None))
         else:
             await reader.read_into(lambda: anext(stream, None), values)
+        if base is not None:
+            values = add_delta(base, values)
+        if header.reference:
+            values.flags.writeable = False
+            self.references[header.fragment] = (header.version, header.reference, values)
         self._observe([pb.FragmentStatus(fragment=header.fragment, version=header.version,
                                          merged_seq=header.merged_seq,
                                          commit_id=header.commit_id)])
         return Pulled(header.fragment, header.version, values, header.merged_seq,
                       header.commit_id)
+
+    def _delta_base(self, header: pb.PullHeader) -> np.ndarray | None:
+        """The reference a delta pull's chunks are added to (None: they are values);
+        a delta the learner cannot add up is refused as malformed."""
+        if not header.delta:
+            if header.codec != FP32.wire:
+                raise StreamError("malformed", f"pulled fragment {header.fragment} comes in "
+                                               f"codec {header.codec}, but not as a delta")
+            return None
+        held = self.references.get(header.fragment)
+        if header.ticket:
+            raise StreamError("malformed", f"a delta of fragment {header.fragment} on the "
+                                           f"bulk channel")
+        if held is None:
+            raise StreamError("malformed", f"a delta of fragment {header.fragment}, but no "
+                                           f"reference of it is held")
+        return held[2]
 
     # -- internals ------------------------------------------------------------------
 

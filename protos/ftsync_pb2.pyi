@@ -163,21 +163,25 @@ class PushResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., target_version: _Optional[int] = ..., weight: _Optional[float] = ..., staleness: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment", "have_version", "wait_ms", "bulk")
+    __slots__ = ("learner_id", "fragment", "have_version", "wait_ms", "bulk", "codec", "have_reference")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    HAVE_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     have_version: int
     wait_ms: int
     bulk: bool
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., bulk: bool = ...) -> None: ...
+    codec: Codec
+    have_reference: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., bulk: bool = ..., codec: _Optional[_Union[Codec, str]] = ..., have_reference: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id", "ticket", "bulk_port")
+    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id", "ticket", "bulk_port", "codec", "delta", "reference")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,9 @@ class PullHeader(_message.Message):
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     numel: int
@@ -196,7 +203,10 @@ class PullHeader(_message.Message):
     commit_id: int
     ticket: bytes
     bulk_port: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    codec: Codec
+    delta: bool
+    reference: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta: bool = ..., reference: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")

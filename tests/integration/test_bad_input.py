@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -149,12 +149,13 @@ def init(daemon: Daemon, fragment: int = 0, learner_id: str = "a", seq: int = 1,
 
 
 def pull(daemon: Daemon, learner_id: str = "a", fragment: int = 0, have_version: int = -1,
-         wait_ms: int = 0, metadata: Metadata = ()) -> tuple[pb.PullHeader, np.ndarray]:
+         wait_ms: int = 0, metadata: Metadata = (),
+         codec: pb.Codec = pb.CODEC_FP32) -> tuple[pb.PullHeader, np.ndarray]:
     channel, synchronizer = stub(daemon)
     with channel:
         messages = list(synchronizer.PullFragment(
             pb.PullRequest(learner_id=learner_id, fragment=fragment,
-                           have_version=have_version, wait_ms=wait_ms),
+                           have_version=have_version, wait_ms=wait_ms, codec=codec),
             metadata=metadata, timeout=RPC_TIMEOUT))
     head = messages[0].header
     values = np.empty(head.numel, np.float32)
@@ -528,6 +529,12 @@ def test_bad_shape_is_invalid_argument(start_daemon: StartDaemon) -> None:
 
 def test_bad_encoding_is_invalid_argument(start_daemon: StartDaemon) -> None:
     check_payloads(started(start_daemon), BAD_ENCODINGS, Reason.BAD_ENCODING)
+
+
+def test_a_pull_in_an_unknown_codec_is_invalid_argument(start_daemon: StartDaemon) -> None:
+    daemon = started(start_daemon)
+    expect_rejected(daemon, partial(pull, daemon, codec=cast(pb.Codec, 9)),
+                    INVALID_ARGUMENT, Reason.BAD_ENCODING, "unknown codec value 9")
 
 
 def test_chunks_out_of_order_are_invalid_argument(start_daemon: StartDaemon) -> None:

@@ -74,7 +74,8 @@ def test_a_push_and_a_pull_move_their_bytes_on_the_bulk_port(
     daemon = start_daemon(*FAST, "--prometheus-listen", str(port))
 
     async def scenario() -> None:
-        learner = client(daemon.address, codec="int8")
+        # Pulls in fp32: a pull in int8 would take the delta on the call.
+        learner = client(daemon.address, codec="int8", pull_codec="fp32")
         try:
             np.testing.assert_array_equal(await init_and_pull(learner), INITIAL)
             target = await learner.push(0, GRADIENT, 0, 1000, 10, 10)

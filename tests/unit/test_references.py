@@ -1,0 +1,112 @@
+"""coordinator.references: a learner that adds up the compressed deltas it is served holds
+the coordinator's reference bit for bit, version after version and for every codec; the
+error feedback keeps the reference within one compression step of the committed values;
+a learner holding anything else gets the reference in fp32, and a lost version starts a
+new chain."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from coordinator.references import References, Served
+from coordinator.store import Published
+from protos.codec import BF16, E3M0, INT8, MIN_CHUNK_BYTES, Codec, add_delta
+
+# Elements: two chunks and a part of one for int8 at the smallest chunk size.
+NUMEL = (5 * MIN_CHUNK_BYTES) // 2 + 3
+# Per codec, the largest error of one encoding relative to the chunk's max |x|
+# (protos/codec.py: bf16 2^-8 |x|, int8 half a step of max/127, e3m0 (√2 - 1) |x|).
+STEP = {"bf16": 2.0**-8, "int8": 0.5 / 127, "e3m0": 2**0.5 - 1}
+codecs = pytest.mark.parametrize("codec", [BF16, INT8, E3M0], ids=lambda c: c.name)
+
+
+def published(version: int, params: np.ndarray, commit_id: int | None = None) -> Published:
+    params.flags.writeable = False  # the store never writes a published array again
+    return Published(version, params, {}, time.monotonic(),
+                     commit_id if commit_id is not None else 1000 + version)
+
+
+def rebuilt(codec: Codec, held: np.ndarray, served: Served) -> np.ndarray:
+    """What the learner computes from a delta: each chunk decoded, then added in fp32."""
+    assert served.delta is not None and served.values is None
+    decoded = np.empty_like(held)
+    covered = 0
+    for offset, count, scale, data in served.delta:
+        assert offset == covered
+        codec.decode_into(data, scale, decoded[offset:offset + count])
+        covered += count
+    assert covered == held.size
+    return add_delta(held, decoded)
+
+
+@codecs
+def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec) -> None:
+    references = References(MIN_CHUNK_BYTES)
+    rng = np.random.default_rng(7)
+    theta = rng.standard_normal(NUMEL).astype(np.float32)
+    first = references.serve(0, codec, published(0, theta.copy()), -1, 0)
+    assert first.values is not None and first.delta is None
+    np.testing.assert_array_equal(first.values, theta)  # a chain starts from the values
+    held, reference, delta_bytes = first.values, first.reference, 0
+    for version in range(1, 26):
+        theta = theta + (0.01 * rng.standard_normal(NUMEL)).astype(np.float32)
+        gap = float(np.max(np.abs(theta - held)))
+        current = published(version, theta.copy())
+        served = references.serve(0, codec, current, version - 1, reference)
+        held = rebuilt(codec, held, served)
+        delta_bytes += sum(len(data) for *_, data in served.delta or ())
+        # A learner holding nothing gets the reference itself: the same bits.
+        fresh = references.serve(0, codec, current, -1, 0)
+        assert fresh.reference == served.reference != reference
+        assert fresh.values is not None
+        np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
+        # Error feedback: one compression step of this version's gap, never a sum of them.
+        assert float(np.max(np.abs(held - theta))) <= STEP[codec.name] * gap * 1.001 + 1e-30
+        reference = served.reference
+    assert delta_bytes == 25 * codec.encoded_bytes(NUMEL)
+
+
+@codecs
+def test_a_learner_holding_another_reference_or_version_gets_fp32(codec: Codec) -> None:
+    references = References(MIN_CHUNK_BYTES)
+    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
+    start = references.serve(3, codec, published(4, theta.copy()), -1, 0)
+    advanced = published(5, theta * np.float32(1.5))
+    for have_version, have_reference in [(4, 0), (4, start.reference + 1), (3, start.reference)]:
+        served = references.serve(3, codec, advanced, have_version, have_reference)
+        assert served.delta is None and served.values is not None
+    assert references.serve(3, codec, advanced, 4, start.reference).delta is not None
+
+
+def test_each_fragment_and_codec_has_its_own_chain() -> None:
+    references = References(MIN_CHUNK_BYTES)
+    theta = np.ones(NUMEL, np.float32)
+    ids = {references.serve(p, codec, published(0, theta.copy()), -1, 0).reference
+           for p in (0, 1) for codec in (INT8, E3M0)}
+    assert len(ids) == 4
+
+
+def test_versions_nobody_pulled_fold_into_one_delta() -> None:
+    references = References(MIN_CHUNK_BYTES)
+    theta = np.zeros(NUMEL, np.float32)
+    start = references.serve(0, INT8, published(2, theta.copy()), -1, 0)
+    assert start.values is not None
+    later = np.full(NUMEL, 0.5, np.float32)
+    served = references.serve(0, INT8, published(6, later.copy()), 2, start.reference)
+    np.testing.assert_allclose(rebuilt(INT8, start.values, served), later, atol=0.5 / 127)
+
+
+@pytest.mark.parametrize("lost", ["other commit", "coordinator behind"])
+def test_a_lost_version_starts_a_new_chain(lost: str) -> None:
+    references = References(MIN_CHUNK_BYTES)
+    theta = np.ones(NUMEL, np.float32)
+    references.serve(0, INT8, published(0, theta.copy()), -1, 0)
+    old = references.serve(0, INT8, published(1, theta * np.float32(2)), 0, 0)
+    again = (published(1, theta * np.float32(3), commit_id=77) if lost == "other commit"
+             else published(0, theta * np.float32(3), commit_id=78))
+    served = references.serve(0, INT8, again, 0, old.reference)
+    assert served.reference != old.reference and served.values is not None
+    np.testing.assert_array_equal(served.values, again.params)
