@@ -40,7 +40,7 @@ from chaos.failover import ReplicaSet
 from chaos.history import load_log
 from chaos.local import CoordinatorProcess, StartError
 from chaos.metrics import goodput
-from chaos.proxy import ThreadedProxy
+from chaos.proxy import ThreadedProxy, listening_ports
 from learner.spare import Spare
 
 _GOODPUT_EVERY_S = 5.0
@@ -87,10 +87,17 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
             self.coordinator.start()
             self.coordinator_up = True
             self._started("coordinator", "coordinator", self.coordinator.process)
-        for slot in self.learners:
+        # Each learner's proxy on a loopback address of its own, mirroring every port of
+        # the coordinator: its bulk connections cross the learner's link and faults too.
+        mirrored: tuple[int, ...] = ()
+        if self.experiment.proxy and self.coordinator.process is not None:
+            mirrored = tuple(port for port in listening_ports(self.coordinator.process.pid)
+                             if port != self.coordinator.port)
+        for index, slot in enumerate(self.learners):
             if self.experiment.proxy:
-                proxy = ThreadedProxy(self.coordinator.address,
-                                      link=self.experiment.link_for(slot.learner_id))
+                proxy = ThreadedProxy(self.coordinator.address, host=f"127.0.0.{2 + index}",
+                                      link=self.experiment.link_for(slot.learner_id),
+                                      mirror_ports=mirrored)
                 proxy.start()
                 slot.proxy = proxy
             self.start_learner(slot, self.experiment.learners.steps)
@@ -124,7 +131,7 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
     def learner_address(self, slot: Slot) -> str:
         if slot.proxy is not None:
             assert isinstance(slot.proxy, ThreadedProxy)
-            return f"127.0.0.1:{slot.proxy.port}"
+            return slot.proxy.address
         if self.replicas is None:
             return self.coordinator.address
         if self.experiment.learners.discovery == "etcd":

@@ -6,9 +6,10 @@ values each applied last and, until it applies it, a newer version it has
 pulled (`HeldFragments`). `PeerServer` serves exactly those versions from the
 learner's background loop, so serving never runs on the training thread:
 over gRPC (`PeerFragments.Fetch`, the same header-and-chunks stream as a
-pull) or as raw fp32 bytes on a plain TCP port after `PeerFragments.Reserve`,
-which moves a large model at socket speed rather than gRPC's (on loopback
-here gRPC in Python manages a third to a half of it). `fetch_from_peers` is
+pull) or, after `PeerFragments.Reserve`, on the bulk channel
+(`protos.bulk`, the one that carries pushes and pulls too), which moves a
+large model at socket speed rather than gRPC's (on loopback here gRPC in
+Python manages a third to a half of it). `fetch_from_peers` is
 the other side, called by `learner.streaming.FragmentSync` when it starts:
 each fragment comes from the first peer that holds its exact version, and
 the caller loads what no peer holds from the coordinator.
@@ -17,14 +18,8 @@ the caller loads what no peer holds from the coordinator.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
-import secrets
-import socket
-import ssl
-import struct
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -37,6 +32,7 @@ import numpy as np
 from protos import ftsync_pb2 as pb
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
+from protos.bulk import BulkPool, BulkServer, BulkUnreachable, Grant, Handoff, Tickets, send_frames
 from protos.codec import FP32, MESSAGE_SIZE_OPTIONS, iter_chunk_messages
 from protos.events import EventLog
 from protos.stream import ChunkReader
@@ -46,11 +42,10 @@ from protos.tls import (
     add_port,
     aio_channel,
     check_server,
-    client_context,
     server_context,
 )
 
-# How a catching-up learner fetches: "bulk" (Reserve, then raw bytes over TCP;
+# How a catching-up learner fetches: "bulk" (Reserve, then the bulk channel;
 # it falls back to "grpc" for a peer whose bulk port it cannot reach) or "grpc".
 TRANSPORTS: Final = ("bulk", "grpc")
 
@@ -59,13 +54,7 @@ _CHANNEL_OPTIONS: Final = [
     # One connection per peer, as if each were its own process.
     ("grpc.use_local_subchannel_pool", 1),
 ]
-_TICKET_BYTES: Final = 16
-# The byte count a bulk connection is answered with for an unknown or spent ticket.
-_NO_TICKET: Final = (1 << 64) - 1
 _RESERVATION_S: Final = 30.0
-# A bulk connection that has not finished its handshake and sent its ticket by then
-# is closed.
-_TICKET_WAIT_S: Final = 10.0
 # Control calls to a peer: a peer that cannot answer in this long is skipped.
 _RPC_TIMEOUT_S: Final = 5.0
 # A version the learner is pushing into or pulling right now is worth waiting this
@@ -226,14 +215,6 @@ def _supersedes(version: int, commit_id: int, held: Held | None) -> bool:
 # -- serving ----------------------------------------------------------------------------
 
 
-@dataclass
-class _Ticket:
-    fragment: int
-    version: int
-    values: np.ndarray
-    expires_at: float
-
-
 class PeerServer:
     """`PeerFragments` over gRPC plus the bulk TCP port, on the caller's event loop."""
 
@@ -244,7 +225,6 @@ class PeerServer:
         # With TLS both the gRPC port and the bulk port serve this certificate, and
         # with a CA both require a client's signed by it.
         self.tls = tls
-        self._bulk_tls = server_context(tls) if tls is not None and tls.can_serve else None
         # (run_id, layout_hash) of this learner's run, read at each request.
         self.identity = identity
         self.numels = list(numels)
@@ -254,11 +234,13 @@ class PeerServer:
         self.address = ""
         self.bulk_port = 0
         self._server: grpc.aio.Server | None = None
-        self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._tickets: dict[bytes, _Ticket] = {}
-        self._senders = concurrent.futures.ThreadPoolExecutor(
-            _SENDERS, thread_name_prefix="ftsync-peer-send", initializer=_lower_priority)
+        # Bulk sends run in threads at a raised nice value: serving peers is
+        # background work, so where cores are short the training thread goes first.
+        self._bulk = BulkServer(
+            Tickets(_RESERVATION_S), server_context(tls) if tls is not None and tls.can_serve
+            else None, self._bulk_refused, idle_s=_SEND_IDLE_S, workers=_SENDERS,
+            initializer=_lower_priority)
 
     async def start(self, address: str, insecure: bool = False) -> str:
         """Listen on `address` (gRPC) and on a free port of the same host (bulk);
@@ -268,19 +250,7 @@ class PeerServer:
             check_server(address, self.tls, insecure, "serving peers")
         except TlsError as exc:
             raise OSError(str(exc)) from None
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, kind, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(sockaddr)
-            listener.listen(16)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        self.bulk_port = listener.getsockname()[1]
+        self.bulk_port = await self._bulk.start(host)
         # No SO_REUSEPORT: a second learner given the same address must fail to start,
         # not share the port with the first.
         server = grpc.aio.server(options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)])
@@ -293,12 +263,11 @@ class PeerServer:
         else:
             cause = None
         if port == 0:
-            listener.close()
+            await self._bulk.stop()
             raise OSError(f"cannot serve peers on {address}: the address is not "
                           f"available") from cause
         await server.start()
         self._server = server
-        self._spawn(self._accept_bulk())
         self.address = f"{address.rpartition(':')[0]}:{port}"
         return self.address
 
@@ -306,11 +275,9 @@ class PeerServer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        await self._bulk.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        self._senders.shutdown(wait=False, cancel_futures=True)
 
     async def values(self, request: peer_pb.PeerFetchRequest) -> np.ndarray:
         """The exact version asked for, or a `PeerRefusal` saying why not; waits a
@@ -342,13 +309,11 @@ class PeerServer:
 
     async def reserve(self, request: peer_pb.PeerFetchRequest) -> peer_pb.Reservation:
         values = await self.values(request)
-        now = time.monotonic()
-        for ticket in [t for t, r in self._tickets.items() if r.expires_at < now]:
-            del self._tickets[ticket]
-        ticket = secrets.token_bytes(_TICKET_BYTES)
+        # Any learner may catch up from a peer: the ticket is for whoever asked.
+        handoff = Handoff(Grant("", request.fragment, request.version))
+        ticket = self._bulk.tickets.issue(handoff)
         # The reservation pins this array: a newer version applied meanwhile changes nothing.
-        self._tickets[ticket] = _Ticket(request.fragment, request.version, values,
-                                        now + _RESERVATION_S)
+        self._spawn(self._serve_reservation(handoff, ticket, values))
         return peer_pb.Reservation(fragment=request.fragment, version=request.version,
                                    numel=values.size, ticket=ticket, bulk_port=self.bulk_port,
                                    expires_ms=int(_RESERVATION_S * 1000),
@@ -365,45 +330,26 @@ class PeerServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept_bulk(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            self._spawn(self._serve_bulk(conn))
-
-    async def _serve_bulk(self, raw: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def _serve_reservation(self, handoff: Handoff, ticket: bytes,
+                                 values: np.ndarray) -> None:
+        """Send the reserved values on the connection its ticket opens, if one comes."""
         started = time.monotonic()
-        # Everything on this connection blocks in a worker thread (the TLS handshake
-        # too): the kernel waits with the GIL released, and neither this loop nor the
-        # training thread wakes per socket buffer as non-blocking calls would.
-        _kernel_timeouts(raw, _TICKET_WAIT_S)
-        conn = raw  # wrapping for TLS detaches `raw`: from then on, `conn` is the socket
         try:
-            conn = await loop.run_in_executor(self._senders, _secure, raw, self._bulk_tls)
-            ticket = await loop.run_in_executor(self._senders, _recv_exactly, conn,
-                                                _TICKET_BYTES)
-            reserved = self._tickets.pop(ticket, None)
-            if reserved is None or reserved.expires_at < time.monotonic():
-                await loop.run_in_executor(self._senders, conn.sendall,
-                                           struct.pack("<Q", _NO_TICKET))
-                return
-            # One send from the array's own memory: the kernel copies it all.
-            view = _little_endian(reserved.values).data.cast("B")
-            _kernel_timeouts(conn, _SEND_IDLE_S)
-            await loop.run_in_executor(self._senders, _send_all, conn,
-                                       struct.pack("<Q", view.nbytes), view)
-            self.served(str(conn.getpeername()[0]), reserved.fragment, reserved.version,
-                        "bulk", view.nbytes, started)
-        except asyncio.CancelledError:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # wakes the thread's send or receive
-            raise
+            async with asyncio.timeout(_RESERVATION_S):
+                conn = await asyncio.shield(handoff.connection)
+            sent = await self._bulk.run(conn, lambda: send_frames(conn, values))
+            handoff.release(True)
+            self.served(str(conn.getpeername()[0]), handoff.grant.fragment,
+                        handoff.grant.version, "bulk", sent, started)
         except (OSError, TimeoutError, ConnectionError):
-            pass  # the fetcher gave up, or never was one: it moves on to another peer
+            pass  # the fetcher gave up, or never came: it moves on to another peer
         finally:
-            conn.close()
+            self._bulk.tickets.withdraw(ticket)
+            handoff.close()
+
+    def _bulk_refused(self, reason: str, learner_id: str, message: str) -> None:
+        self.events.emit("peer_refused", learner=self.learner_id, reason=reason,
+                         message=message)
 
 
 class _Servicer(peer_grpc.PeerFragmentsServicer):  # type: ignore[misc]
@@ -493,6 +439,7 @@ async def fetch_from_peers(
     if not addresses or not wanted:
         return report
     peers = [_open_peer(address, tls) for address in addresses]
+    pool = BulkPool("", tls, idle_timeout_s)
     limit = asyncio.Semaphore(concurrency)
 
     async def one(fragment: int) -> None:
@@ -506,7 +453,7 @@ async def fetch_from_peers(
             try:
                 async with limit:
                     fetched = await _fetch(peer, request, numels[fragment], transport,
-                                           idle_timeout_s, tls)
+                                           idle_timeout_s, pool)
             except PeerMiss as miss:
                 report.misses.append(f"{peer.address} fragment {fragment}: {miss}")
                 continue
@@ -519,6 +466,7 @@ async def fetch_from_peers(
         await asyncio.gather(*(one(p) for p in sorted(wanted)))
     finally:
         await asyncio.gather(*(peer.channel.close(grace=None) for peer in peers))
+        pool.close()
     return report
 
 
@@ -528,7 +476,7 @@ def _open_peer(address: str, tls: TlsMaterial | None) -> _Peer:
 
 
 async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, transport: str,
-                 idle_timeout_s: float, tls: TlsMaterial | None) -> Fetched:
+                 idle_timeout_s: float, pool: BulkPool) -> Fetched:
     """One fragment version from one peer, or `PeerMiss`."""
     started = time.monotonic()
     try:
@@ -541,11 +489,12 @@ async def _fetch(peer: _Peer, request: peer_pb.PeerFetchRequest, numel: int, tra
                 raise PeerMiss(f"reserved commit {reservation.commit_id:x}, not the one "
                                f"published ({request.commit_id:x})")
             host, _ = split_address(peer.address)
+            values = np.empty(numel, dtype=np.float32)
+            reader = ChunkReader(numel, f"fragment {request.fragment}")
             try:
-                values = await asyncio.to_thread(_receive_bulk, host, reservation.bulk_port,
-                                                 reservation.ticket, numel, idle_timeout_s,
-                                                 tls)
-            except ConnectionRefusedError:
+                await asyncio.to_thread(pool.pull, host, reservation.bulk_port,
+                                        reservation.ticket, reader, values)
+            except BulkUnreachable:
                 # A firewall or NAT in the way of the bulk port: gRPC still gets through.
                 peer.bulk_reachable = False
             else:
@@ -584,70 +533,8 @@ async def _receive_stream(peer: _Peer, request: peer_pb.PeerFetchRequest, numel:
         call.cancel()
 
 
-def _receive_bulk(host: str, port: int, ticket: bytes, numel: int,
-                  idle_timeout_s: float, tls: TlsMaterial | None = None) -> np.ndarray:
-    """Blocking (run in a thread): present the ticket, receive straight into the
-    array. The GIL is released while the kernel copies (and, over TLS, decrypts)."""
-    values = np.empty(numel, dtype=np.float32)
-    view = values.data.cast("B")
-    with socket.create_connection((host, port), timeout=idle_timeout_s) as raw:
-        _kernel_timeouts(raw, idle_timeout_s)
-        conn = raw if tls is None else client_context(tls).wrap_socket(raw,
-                                                                        server_hostname=host)
-        # An SSL socket takes no flags; its reads fill as much as one record holds.
-        wait_all = socket.MSG_WAITALL if tls is None else 0
-        conn.sendall(ticket)
-        (nbytes,) = struct.unpack("<Q", _recv_exactly(conn, 8))
-        if nbytes == _NO_TICKET:
-            raise ValueError("the peer no longer holds the reservation (ticket spent or expired)")
-        if nbytes != view.nbytes:
-            raise ValueError(f"peer announced {nbytes} bytes for {numel} fp32 elements")
-        got = 0
-        while got < nbytes:
-            # MSG_WAITALL: one call for the lot, returning early only on a timeout.
-            n = conn.recv_into(view[got:], nbytes - got, wait_all)
-            if n == 0:
-                raise ConnectionError(f"peer closed the bulk transfer after {got} of "
-                                      f"{nbytes} bytes")
-            got += n
-    return values if sys.byteorder == "little" else values.view("<f4").astype(np.float32)
-
-
-def _kernel_timeouts(conn: socket.socket, seconds: float) -> None:
-    """Make `conn` blocking, with sends and receives that fail after `seconds` without
-    progress: the kernel's timeouts, where Python's own would poll before each call."""
-    conn.settimeout(None)
-    timeval = struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000))
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-
-
 def _lower_priority() -> None:
     """Raise the calling thread's nice value (Linux: per thread; elsewhere a no-op)."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                        os.getpriority(os.PRIO_PROCESS, 0) + _SENDER_NICE)
-
-
-def _secure(conn: socket.socket, context: ssl.SSLContext | None) -> socket.socket:
-    """The connection as the bulk port serves it: TLS-wrapped (handshake done) or as is."""
-    return conn if context is None else context.wrap_socket(conn, server_side=True)
-
-
-def _send_all(conn: socket.socket, header: bytes, view: memoryview) -> None:
-    conn.sendall(header)
-    conn.sendall(view)
-
-
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = conn.recv(n - len(data))
-        if not more:
-            raise ConnectionError(f"peer closed after {len(data)} of {n} header bytes")
-        data += more
-    return data
-
-
-def _little_endian(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype="<f4")

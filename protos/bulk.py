@@ -157,13 +157,13 @@ class Tickets:
             self.withdraw(ticket)
             raise BulkError("bad_ticket", f"the ticket expired (tickets last {self.ttl_s:g} s)")
         grant = handoff.grant
-        if names is not None and learner_id not in names:
-            raise BulkError("bad_ticket", f"the client certificate is issued to "
-                                          f"{', '.join(sorted(names))}, not to learner "
-                                          f"{learner_id!r}")
         if grant.learner_id and learner_id != grant.learner_id:
             raise BulkError("bad_ticket", f"the ticket is learner {grant.learner_id!r}'s, "
                                           f"presented by {learner_id!r}")
+        if grant.learner_id and names is not None and learner_id not in names:
+            raise BulkError("bad_ticket", f"the client certificate is issued to "
+                                          f"{', '.join(sorted(names))}, not to learner "
+                                          f"{learner_id!r}")
         if handoff.connection.done():  # its call ended while the connection arrived
             self.withdraw(ticket)
             raise BulkError("bad_ticket", "the transfer this ticket was for has ended")

@@ -342,6 +342,13 @@ class PeerServe(TypedDict):
     seconds: float
 
 
+class PeerRefused(TypedDict):
+    """A bulk connection to this learner's peer port with a bad ticket."""
+    learner: str
+    reason: str
+    message: str
+
+
 class Train(TypedDict):
     learner: str
     step: int
@@ -500,6 +507,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("learner", "push_failed"): FragmentError,
     ("learner", "pull_timeout"): PullTimeout,
     ("learner", "peer_serve"): PeerServe,
+    ("learner", "peer_refused"): PeerRefused,
     ("learner", "train"): Train,
     ("learner", "eval"): Eval,
     ("learner", "train_end"): TrainEnd,

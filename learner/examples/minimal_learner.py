@@ -16,9 +16,9 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -28,6 +28,7 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 
 CHUNK_ELEMENTS = (2 << 20) // 4  # 2 MiB of fp32 per chunk
+T = TypeVar("T")
 
 
 def layout(dim: int, fragments: int) -> tuple[list[tuple[int, int]], str]:
@@ -63,9 +64,29 @@ class MinimalLearner:
         self.pushed = self.merged = 0
         self.refused: dict[str, int] = {}
         self.applied: list[tuple[int, int]] = []  # (fragment, version)
+        self.rejoining = False
+
+    def retrying(self, attempt: Callable[[], T], attempts: int = 8) -> T:
+        """One whole call, again while the coordinator is unreachable (it restarts, or
+        a new leader takes over) and after joining again when it forgot us: every call
+        may be refused `unknown_learner` once a coordinator restarted."""
+        for n in range(attempts):
+            try:
+                return attempt()
+            except grpc.RpcError as error:
+                if n + 1 == attempts:
+                    raise
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    time.sleep(0.2 * 2 ** n)
+                elif reason(error) == "unknown_learner" and not self.rejoining:
+                    self.rejoin()
+                else:
+                    raise
+        raise AssertionError("unreachable")
 
     def call(self, method: str, request: object) -> Any:
-        return getattr(self.stub, method)(request, metadata=self.auth, timeout=30)
+        return self.retrying(
+            lambda: getattr(self.stub, method)(request, metadata=self.auth, timeout=30))
 
     # -- joining --------------------------------------------------------------
 
@@ -77,6 +98,17 @@ class MinimalLearner:
             overlap_steps=1, host="minimal"))
         self.next_seq = max(self.next_seq, response.next_seq)
         return response
+
+    def rejoin(self) -> None:
+        """Join again, then push again whatever was acknowledged but not merged: a
+        restarted coordinator may have lost the open rounds that held it."""
+        self.rejoining = True
+        try:
+            self.join()
+            for key in sorted(self.outbox):
+                self.send(*key)
+        finally:
+            self.rejoining = False
 
     def start(self) -> None:
         for status in self.join().fragments:
@@ -90,8 +122,8 @@ class MinimalLearner:
                     if error.code() != grpc.StatusCode.ALREADY_EXISTS:
                         raise
         while True:  # every fragment at one consistent vector of versions
-            fragments = self.read(self.stub.FetchSnapshot(
-                pb.SnapshotRequest(learner_id=self.id), metadata=self.auth, timeout=30))
+            fragments = self.retrying(lambda: self.read(self.stub.FetchSnapshot(
+                pb.SnapshotRequest(learner_id=self.id), metadata=self.auth, timeout=30)))
             if all(version >= 0 for version, _ in fragments.values()):
                 break
             time.sleep(0.1)  # another learner is still pushing its initial value
@@ -146,16 +178,13 @@ class MinimalLearner:
         self.send(p, header.seq)
 
     def send(self, p: int, seq: int) -> None:
+        if (p, seq) not in self.outbox:  # merged meanwhile
+            return
         try:
-            self.push(self.outbox[(p, seq)], self.deltas[(p, seq)])
+            self.retrying(lambda: self.push(self.outbox[(p, seq)], self.deltas[(p, seq)]))
             self.pushed += 1
         except grpc.RpcError as error:
             why = reason(error)
-            if why == "unknown_learner":  # the coordinator restarted: join, push again
-                self.join()
-                for key in sorted(self.outbox):
-                    self.send(*key)
-                return
             if why == "replayed":  # held by the open round, or merged already
                 return
             self.refused[why] = self.refused.get(why, 0) + 1
@@ -173,19 +202,25 @@ class MinimalLearner:
     # -- pulling and applying -----------------------------------------------------
 
     def sync(self, step: int) -> None:
-        beat = self.call("Heartbeat", pb.HeartbeatRequest(
-            learner_id=self.id, local_step=step, backlog=len(self.outbox)))
-        for status in beat.fragments:
-            self.note_merged(status.fragment, status.merged_seq)
         for p in range(len(self.bounds)):
-            stream = self.stub.PullFragment(pb.PullRequest(
-                learner_id=self.id, fragment=p, have_version=self.base[p],
-                wait_ms=self.args.pull_wait_ms), metadata=self.auth, timeout=60)
-            for version, values in self.read(stream).values():
+            # A beat before each long poll: the polls together may outlast the
+            # coordinator's heartbeat timeout.
+            beat = self.call("Heartbeat", pb.HeartbeatRequest(
+                learner_id=self.id, local_step=step, backlog=len(self.outbox)))
+            for status in beat.fragments:
+                self.note_merged(status.fragment, status.merged_seq)
+            for version, values in self.pull(p).values():
                 a, b = self.bounds[p]
                 self.params[a:b] = values  # apply: overwrite (α = 0)
                 self.ref[p], self.base[p] = values.copy(), version
                 self.applied.append((p, version))
+
+    def pull(self, p: int) -> dict[int, tuple[int, np.ndarray]]:
+        """A version of fragment `p` newer than our base, if one comes within the wait."""
+        request = pb.PullRequest(learner_id=self.id, fragment=p, have_version=self.base[p],
+                                 wait_ms=self.args.pull_wait_ms)
+        return self.retrying(lambda: self.read(
+            self.stub.PullFragment(request, metadata=self.auth, timeout=60)))
 
     # -- training ---------------------------------------------------------------------
 

@@ -24,15 +24,16 @@ import numpy as np
 import pytest
 import torch
 
-from chaos.proxy import ThreadedProxy
 from learner.api import Learner
 from learner.client import Pulled, SynchronizerClient
 from learner.fragments import FragmentView
 from protos import peer_pb2 as peer_pb
 from protos import peer_pb2_grpc as peer_grpc
 from protos import tls
+from protos.bulk import BulkPool
+from protos.stream import ChunkReader
 from protos.tls import TlsMaterial
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, proxy_in_front, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -255,15 +256,20 @@ async def refusals(a: Learner, commit_id: int) -> None:
         reservation = await stub.Reserve(ok)
         assert reservation.numel == a.plan.numels[1]
         host = str(a.peer_address).rpartition(":")[0]
-        for attempt in range(2):
-            with socket.create_connection((host, reservation.bulk_port), timeout=5) as conn:
-                conn.sendall(reservation.ticket)
-                header = conn.recv(8, socket.MSG_WAITALL)
-                nbytes = int.from_bytes(header, "little")
-                if attempt == 0:
-                    assert nbytes == 4 * reservation.numel
-                else:  # a ticket is good for one transfer
-                    assert nbytes == (1 << 64) - 1
+        values = np.empty(reservation.numel, np.float32)
+        pool = BulkPool("b")
+        try:
+            await asyncio.to_thread(pool.pull, host, reservation.bulk_port, reservation.ticket,
+                                    ChunkReader(reservation.numel, "fragment 1"), values)
+        finally:
+            pool.close()
+        with socket.create_connection((host, reservation.bulk_port), timeout=5) as conn:
+            conn.sendall(reservation.ticket + b"\x01b")
+            # A ticket is good for one transfer: refused (1), with the reason.
+            assert conn.recv(1) == b"\x01"
+            length = int.from_bytes(conn.recv(2, socket.MSG_WAITALL), "little")
+            assert conn.recv(length, socket.MSG_WAITALL).decode().startswith(
+                "bad_ticket: the ticket is spent")
 
 
 # -- real learner processes ------------------------------------------------------------
@@ -393,7 +399,7 @@ def test_a_learner_killed_mid_push_leaves_nothing_behind_and_catches_up_on_resta
         return next((s.contributions for s in daemon.status().learners
                      if s.learner_id == "victim"), 0)
 
-    with ThreadedProxy(daemon.address) as proxy:
+    with proxy_in_front(daemon) as proxy:
         victim = workers("train", "--coordinator", proxy.address, "--learner-id", "victim",
                          *size, "--event-log", str(victim_log))
         victim.next()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = ROOT / "learner" / "examples" / "minimal_learner.py"
@@ -88,3 +88,41 @@ def test_the_minimal_learner_merges_beside_built_in_ones(
     assert beside, "the built-in learners' contributions were never merged"
     # And the minimal learner applied versions the built-in ones made.
     assert {tuple(pair) for pair in summary["applied"]} & beside
+
+
+def test_the_minimal_learner_rides_out_a_coordinator_restart(
+        start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """Killed once the first version it helped make is committed, the coordinator
+    restarts on its state directory: the minimal learner's calls meanwhile wait, the
+    first one after is refused `unknown_learner`, and it joins again, pushes again what
+    was not merged and trains to the end, its later contributions merged too."""
+    log = tmp_path / "coordinator.jsonl"
+    daemon = start_daemon("--set", "policy.grace_max_s=0", "--set", "outer.lr=0.3",
+                          "--set", "outer.momentum=0.0", "--event-log", str(log))
+    minimal = subprocess.Popen(
+        [sys.executable, str(MINIMAL), "--coordinator", daemon.address,
+         "--learner-id", "minimal", "--steps", "2000", "--sync-every", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+    def merged_minimal() -> bool:
+        return log.exists() and any(
+            e["kind"] == "commit" and any(c["learner"] == "minimal" for c in e["manifest"])
+            for e in events(log))
+    try:
+        wait_until(merged_minimal, timeout=60, message="a commit naming the minimal learner")
+        daemon.kill()
+        daemon.start()
+        out, _ = minimal.communicate(timeout=240)
+    finally:
+        if minimal.poll() is None:
+            minimal.kill()
+            minimal.wait()
+    assert minimal.returncode == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert set(summary["refused"]) <= {"stale"}, summary
+    after = events(log)
+    resumed = next(i for i, e in enumerate(after) if e["kind"] == "resume")
+    assert [e["learner"] for e in after[resumed:] if e["kind"] == "join"] == ["minimal"]
+    assert any(e["kind"] == "commit" and any(c["learner"] == "minimal" for c in e["manifest"])
+               for e in after[resumed:]), "nothing of the minimal learner merged after"
+    assert summary["eval_loss_end"] < 0.5 * summary["eval_loss_start"], summary

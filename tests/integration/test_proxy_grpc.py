@@ -11,9 +11,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from chaos.proxy import LinkSpec, ThreadedProxy, TokenBucket
+from chaos.proxy import LinkSpec, TokenBucket
 from learner.client import Retry, SynchronizerClient
-from tests.daemon import Daemon
+from tests.daemon import Daemon, proxy_in_front
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +31,7 @@ async def timed_pull(client: SynchronizerClient) -> float:
 def test_learner_through_the_proxy_survives_latency_resets_and_partitions(
         start_daemon: Callable[..., Daemon]) -> None:
     daemon = start_daemon()
-    with ThreadedProxy(daemon.address) as proxy:
+    with proxy_in_front(daemon) as proxy:
 
         async def scenario() -> None:
             client = SynchronizerClient(proxy.address, "a", "layout-a", NUMELS,
@@ -84,7 +84,7 @@ def test_a_push_and_pull_over_a_wide_area_link_cost_at_least_its_bytes_and_round
     daemon = start_daemon("--set", "fsync=false")
     numels = [250_000, 250_000]  # 1 MB of fp32 each way
     latency_ms, rate = 30.0, 4_000_000.0
-    with ThreadedProxy(daemon.address, link=LinkSpec(latency_ms, rate)) as proxy:
+    with proxy_in_front(daemon, link=LinkSpec(latency_ms, rate)) as proxy:
 
         async def scenario() -> None:
             client = SynchronizerClient(proxy.address, "wan", "layout-wan", numels,
