@@ -49,9 +49,10 @@ PACKAGE = pb.DESCRIPTOR.package
 
 # One rule for the codes: INVALID_ARGUMENT when the request is wrong whatever the
 # run's state (sending it again never helps), FAILED_PRECONDITION when it is refused
-# because of the state it met (another version, the run's layout, this replica's
-# role), NOT_FOUND and ALREADY_EXISTS for a learner or contribution id the
-# coordinator lacks or already holds.
+# because of the state it met (another version, a layout hash that another run or
+# the first learner set, this replica's role), NOT_FOUND and ALREADY_EXISTS for a
+# learner or contribution id the coordinator lacks or already holds. A fragment
+# index or size that the request's own layout contradicts is INVALID_ARGUMENT.
 STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_LEARNER: grpc.StatusCode.NOT_FOUND,
