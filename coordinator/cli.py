@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="TOML configuration file")
         p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
         p.add_argument("--state-dir", help="directory for durable state")
-        p.add_argument("--min-quorum", type=int, help="contributions needed to close a round")
+        p.add_argument("--min-quorum", type=_quorum,
+                       help="contributions needed to close a round, or auto")
         p.add_argument("--sync-mode", type=int, metavar="M",
                        help="lock-step baseline: quorum M learners, no grace window, "
                             "no stale contributions (overrides those keys of --set)")
@@ -117,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--force", action="store_true",
                        help="replace a CA already in --out")
     return parser
+
+
+def _quorum(text: str) -> int | str:
+    """--min-quorum: a count, or "auto" (each round chooses, policy.min_quorum_max caps)."""
+    return text if text == "auto" else int(text)
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -231,7 +237,7 @@ def render_status(status: pb.StatusResponse,
     live = sum(1 for learner in status.learners if learner.live)
     rejected = ", ".join(f"{k}={v}" for k, v in sorted(status.rejections.items())) or "none"
     summary = (f"run {status.run_id or '-'}  up {status.uptime_s:.0f}s  quorum "
-               f"{status.min_quorum}  learners {live}/{len(status.learners)} live  "
+               f"{status.min_quorum or 'auto'}  learners {live}/{len(status.learners)} live  "
                f"in {status.bytes_in / 1e6:.1f} MB  out {status.bytes_out / 1e6:.1f} MB  "
                f"commits/s {versions_rate:.2f}  MB/s in {mb_in_rate:.1f}  rejected: {rejected}")
     learners = Table(title="learners", expand=False)

@@ -8,6 +8,7 @@ over dataclass trees, so experiment files in `chaos/` use it too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -395,8 +396,17 @@ def _coerce(hint: Any, value: Any, keys: tuple[str, ...], where: _Locator) -> An
         items = [_coerce(item_type, v, (*keys, str(i)), where) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (typing.Union, types.UnionType):
+        # The first option the value fits (`int | Literal["auto"]`).
         options = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _coerce(options[0], value, keys, where)
+        for option in options:
+            with contextlib.suppress(ConfigError):
+                return _coerce(option, value, keys, where)
+        if len(options) == 1:
+            return _coerce(options[0], value, keys, where)
+        kinds = [f"one of {list(typing.get_args(a))}" if typing.get_origin(a) is Literal
+                 else getattr(a, "__name__", str(a)) for a in options]
+        raise ConfigError(f"{name} must be {' or '.join(kinds)}, got {type(value).__name__} "
+                          f"{value!r} {where(keys)}")
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

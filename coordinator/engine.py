@@ -37,7 +37,7 @@ from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite, norm_sq
 from coordinator.metrics import Metrics
-from coordinator.policy import ContributionId, Offer, Policy, check_seq
+from coordinator.policy import ContributionId, Offer, Policy, RoundClose, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
 from protos.bulk import BulkServer, Grant, Handoff, receive_frames, taken
@@ -538,7 +538,7 @@ class Engine:
                 await self._reserve_seq(policy, header.learner_id, header.seq)
                 lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm,
                                                 prescale)
-                policy.accept(admission, self.clock())
+                policy.accept(admission, self.clock(), norm_sq=norm * norm)
         stats.contributions += 1
         self.metrics.contributions.add(1, {"fragment": str(p)})
         self.metrics.staleness.record(admission.staleness)
@@ -770,7 +770,7 @@ class Engine:
                         for c in close.manifest]
             epoch = self.epoch
             try:
-                await store.commit(close, manifest, epoch, self._guard())
+                published = await store.commit(close, manifest, epoch, self._guard())
             except NotLeader as exc:
                 # Durable here but never published: the next leader resynchronises us.
                 self.events.emit("commit_abandoned", fragment=fragment, version=close.version,
@@ -778,7 +778,9 @@ class Engine:
                 return
             sync_s = self.clock() - started
             policy.record_sync_time(fragment, sync_s)
+            policy.record_merge(fragment, close.version, published.merged_norm_sq)
         attrs = {"fragment": str(fragment)}
+        self.metrics.quorum.set(close.quorum, attrs)
         self.metrics.rounds_committed.add(1, {**attrs, "why": close.why})
         self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
         self.metrics.grace.record(close.grace_s, attrs)
@@ -786,7 +788,8 @@ class Engine:
         fields: dict[str, Any] = {"epoch": epoch} if self.config.ha.enabled else {}
         self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
                          quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
-                         sync_s=sync_s, why=close.why, **fields)
+                         sync_s=sync_s, why=close.why, quorum=close.quorum,
+                         step_scale=close.step_scale, **fields, **_choice_fields(close))
 
     # -- status -----------------------------------------------------------------
 
@@ -795,7 +798,8 @@ class Engine:
         counts = self.metrics.counts()  # the instruments themselves, not a copy kept here
         response = pb.StatusResponse(
             run_id=self.run.run_id if self.run else "", uptime_s=now - self.started_at,
-            min_quorum=self.config.policy.min_quorum, bytes_in=counts.total("ftsync_bytes_in"),
+            min_quorum=quorum if isinstance(quorum := self.config.policy.min_quorum, int) else 0,
+            bytes_in=counts.total("ftsync_bytes_in"),
             bytes_out=counts.total("ftsync_bytes_out"),
             layout_hash=self.run.layout_hash if self.run else "",
             role=self.role, epoch=self.epoch if self.role == "leader" else self.known_epoch,
@@ -864,3 +868,11 @@ class Engine:
             self.learners[learner_id].rejections += 1
         self.events.emit("reject", rpc=rpc, learner=learner_id, reason=rejected.reason.value,
                          message=rejected.message, **context)
+
+
+def _choice_fields(close: RoundClose) -> dict[str, Any]:
+    """What `min_quorum = "auto"` chose the round's quorum from, for the commit event."""
+    if close.choice is None:
+        return {}
+    return {"noise_ratio": close.choice.noise_ratio, "cycles_s": list(close.choice.cycles_s),
+            "fixed_s": close.choice.fixed_s}

@@ -125,6 +125,10 @@ class Metrics:
             "ftsync_push_streams_open",
             description="push calls being served now: pushes in flight, and stuck ones "
                         "that limits.push_idle_s will cut")
+        self.quorum = meter.create_gauge(
+            "ftsync_quorum",
+            description="the quorum the last closed round of a fragment needed (with "
+                        "policy.min_quorum = \"auto\", the one it chose)")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

@@ -18,16 +18,26 @@ every live learner has contributed or its grace window has ended:
 and contributions are weighted `c_tokens · (c_tokens / c_steps) · (1 + s)^−a`
 with `s` the staleness in versions. A closed round also says how large an outer
 step it deserves (`RoundClose.step_scale`): the share of the live learners it
-merged over one plus its mean staleness. A round holds one contribution per
-learner and base version: a second push of a learner against the base of one
-it has in the open round replaces it (each push carries the progress since
-the learner's previous one, so the newer stands for both, counted once).
+merged over one plus its mean staleness.
+
+With `min_quorum = "auto"` each round chooses its own quorum K when it opens
+(`choose_quorum`): the K that maximises estimated progress per second, progress
+`1 / (1 + ν/K)` for a noise ratio ν = σ²/‖g‖² estimated from what rounds merged
+(the merged outer gradient's squared norm against the contributions' own, an
+EWMA), time from the live learners' recent push intervals (each one's median,
+not its mean): a round of K waits for the K-th fastest.
+
+A round holds one contribution per learner and base version: a second push of
+a learner against the base of one it has in the open round replaces it (each
+push carries the progress since the learner's previous one, so the newer stands
+for both, counted once).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -42,8 +52,11 @@ MergeRule = Literal["mean", "rda"]
 # which waits out no grace window.
 CloseReason = Literal["all_live", "grace_ended", "no_grace", "draining"]
 
-# Smoothing of the running timing estimates (ξ_step, ξ_sync).
+# Smoothing of the running timing estimates (ξ_step, ξ_sync) and of the gradient
+# signal and noise behind the automatic quorum.
 _EWMA = 0.3
+# Push intervals kept per learner for the automatic quorum's arrival model.
+_INTERVALS = 16
 # The largest c_tokens²/c_steps taken (4M-token steps summed over 500 steps give
 # 8e15): merging pre-multiplies fp32 values by the weight, which must stay finite.
 MAX_TOKEN_WEIGHT = float(2**64)
@@ -60,7 +73,10 @@ SEQ_BLOCK = 1 << 10
 class PolicyConfig:
     """The knobs of the policy; sync mode is just `min_quorum = M, grace_max_s = 0`."""
 
-    min_quorum: int = 1
+    # Distinct learners a round needs, or "auto": each round chooses (`choose_quorum`).
+    min_quorum: int | Literal["auto"] = 1
+    # The largest quorum "auto" chooses; 0: every live learner.
+    min_quorum_max: int = 0
     gamma: float = 0.5
     grace_max_s: float = 5.0
     staleness_exponent: float = 0.5
@@ -71,7 +87,10 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.min_quorum >= 1, "min_quorum", "must be at least 1"),
+            (self.min_quorum == "auto" or (isinstance(self.min_quorum, int)
+                                           and self.min_quorum >= 1),
+             "min_quorum", "must be at least 1 or \"auto\""),
+            (self.min_quorum_max >= 0, "min_quorum_max", "must be >= 0 (0: no ceiling)"),
             (0.0 <= self.gamma <= 1.0, "gamma", "must be in [0, 1]"),
             (self.grace_max_s >= 0.0, "grace_max_s", "must be >= 0"),
             (self.staleness_exponent >= 0.0, "staleness_exponent", "must be >= 0"),
@@ -131,6 +150,44 @@ class MergedContribution:
 
 
 @dataclass(frozen=True)
+class QuorumChoice:
+    """The quorum a round chose and what it was chosen from: `noise_ratio` ν =
+    σ²/‖g‖² (None before any round could measure it), `cycles_s[k-1]` the k-th
+    shortest push interval among the live learners (the time a round takes to gather
+    fresh work from k of them), `fixed_s` the time every round costs whatever its K
+    (merge and publish), `rates[k-1]` the estimated progress per second with k."""
+
+    quorum: int
+    noise_ratio: float | None
+    cycles_s: tuple[float, ...]
+    fixed_s: float
+    rates: tuple[float, ...]
+
+
+def choose_quorum(noise_ratio: float | None, cycles_s: Sequence[float], fixed_s: float,
+                  ceiling: int) -> QuorumChoice:
+    """The K in 1..min(len(cycles_s), ceiling) with the most progress per second.
+
+    A round of K contributions merges K learners' work, each worth `1/(1 + ν/K)` of
+    noiseless work at noise ratio ν (the gain of a K-fold batch: DBW, McCandlish et
+    al.'s noise scale), and takes `fixed_s + cycles_s[K-1]`: rate(K) = K·gain(K)/time.
+    Work not waited for is not lost (it comes in the next round, older), so only the
+    wait for a slow learner, not the count, argues for a smaller K; noise argues for
+    a larger one. Before ν is known it waits for two: a round of two or more
+    learners is what measures it, and waiting for all would leave the faster
+    learners replacing their pushes, which measures nothing. Near ties go to the
+    larger K."""
+    top = max(1, min(len(cycles_s), ceiling))
+    if noise_ratio is None:
+        return QuorumChoice(min(2, top), None, tuple(cycles_s[:top]), fixed_s, ())
+    rates = tuple(k / (1.0 + noise_ratio / k) / max(fixed_s + cycles_s[k - 1], 1e-9)
+                  for k in range(1, top + 1))
+    best = max(rates)
+    quorum = max(k for k in range(1, top + 1) if rates[k - 1] >= best * (1 - 1e-9))
+    return QuorumChoice(quorum, noise_ratio, tuple(cycles_s[:top]), fixed_s, rates)
+
+
+@dataclass(frozen=True)
 class RoundClose:
     """A closed round: the version it commits as and its manifest."""
 
@@ -144,6 +201,9 @@ class RoundClose:
     why: CloseReason
     # Live learners at the close, those merged included.
     live: int = 1
+    # The quorum this round needed, and with "auto" how it was chosen.
+    quorum: int = 1
+    choice: QuorumChoice | None = None
 
     @property
     def total_weight(self) -> float:
@@ -185,6 +245,17 @@ class _Learner:
     local_step: int = 0
     step_sample_at: float | None = None
     step_time_s: float | None = None
+    # The automatic quorum's arrival model: when it last pushed each fragment, and
+    # its recent intervals between two pushes of one fragment.
+    pushed_at: dict[int, float] = field(default_factory=dict)
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=_INTERVALS))
+
+    def push_interval(self) -> float | None:
+        """The median of its recent push intervals: robust to the odd slow round."""
+        if not self.intervals:
+            return None
+        ordered = sorted(self.intervals)
+        return ordered[len(ordered) // 2]
 
 
 @dataclass
@@ -195,6 +266,10 @@ class _Round:
     quorum_at: float | None = None
     deadline: float | None = None
     grace_s: float = 0.0
+    quorum: int = 1
+    choice: QuorumChoice | None = None
+    # Σ Δ² of each contribution (by seq), for the noise estimate.
+    norms_sq: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def learners(self) -> set[str]:
         return {c.id.learner_id for c in self.contributions}
@@ -217,6 +292,13 @@ class _Fragment:
     sync_time_s: float | None = None
     # Highest merged seq per learner: anything at or below it is done with.
     merged_seq: dict[str, int] = field(default_factory=dict)
+    # EWMAs of the outer gradient's signal ‖g‖² and per-contribution noise σ².
+    signal_sq: float | None = None
+    noise_sq: float | None = None
+    closed_at: float | None = None
+    # What the last closed round merged, until its merged norm comes back.
+    last_close: RoundClose | None = None
+    last_norms_sq: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
 class Policy:
@@ -390,9 +472,10 @@ class Policy:
         return Admission(offer=offer, weight=weight, staleness=staleness,
                          target_version=frag.round.version)
 
-    def accept(self, admission: Admission, now: float) -> None:
+    def accept(self, admission: Admission, now: float, norm_sq: float | None = None) -> None:
         """Add an admitted contribution to its fragment's open round (replacing the
-        learner's contribution there against the same base, if any)."""
+        learner's contribution there against the same base, if any). `norm_sq`, its
+        Σ Δ², feeds the automatic quorum's noise estimate."""
         offer = admission.offer
         frag = self._fragment(offer.id.fragment)
         if admission.target_version != frag.round.version:
@@ -410,14 +493,21 @@ class Policy:
         self._seen_seq[offer.id.learner_id] = max(
             self._seen_seq.get(offer.id.learner_id, 0), offer.id.seq)
         rnd = frag.round
+        if rnd.opened_at is None:
+            rnd.opened_at = now
+            rnd.quorum, rnd.choice = self._quorum(frag, now)
         if standing is not None:
             rnd.contributions[standing] = replace(rnd.contributions[standing], weight=0.0,
                                                   replaced_by=offer.id.seq)
         rnd.contributions.append(MergedContribution(
             id=offer.id, weight=admission.weight, staleness=admission.staleness))
-        if rnd.opened_at is None:
-            rnd.opened_at = now
-        if rnd.quorum_at is None and len(rnd.learners()) >= self.config.min_quorum:
+        if norm_sq is not None:
+            rnd.norms_sq[(offer.id.learner_id, offer.id.seq)] = norm_sq
+        previous = learner.pushed_at.get(offer.id.fragment)
+        if previous is not None and now > previous:
+            learner.intervals.append(now - previous)
+        learner.pushed_at[offer.id.fragment] = now
+        if rnd.quorum_at is None and len(rnd.learners()) >= rnd.quorum:
             rnd.quorum_at = now
             rnd.grace_s = self._grace(frag, quorum_wait=now - rnd.opened_at, now=now)
             rnd.deadline = now + rnd.grace_s
@@ -457,7 +547,9 @@ class Policy:
         rnd = frag.round
         if not self._is_due(frag, now):
             raise ValueError(f"round of fragment {fragment} is not due at {now}")
-        assert rnd.opened_at is not None and rnd.quorum_at is not None
+        assert rnd.opened_at is not None
+        if rnd.quorum_at is None:  # "auto": every live learner came before its quorum
+            rnd.quorum_at = rnd.deadline = now
         assert rnd.deadline is not None
         live = self.live_learners(now)
         why: CloseReason = ("all_live" if live <= rnd.learners()
@@ -468,10 +560,14 @@ class Policy:
                 frag.merged_seq.get(c.id.learner_id, 0), c.id.seq)
         frag.version = rnd.version
         frag.round = _Round(version=rnd.version + 1)
-        return RoundClose(fragment=fragment, version=rnd.version,
-                          manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
-                          quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s,
-                          why=why, live=len(live | rnd.learners()))
+        frag.closed_at = now
+        closed = RoundClose(fragment=fragment, version=rnd.version,
+                            manifest=tuple(rnd.contributions), opened_at=rnd.opened_at,
+                            quorum_at=rnd.quorum_at, closed_at=now, grace_s=rnd.grace_s,
+                            why=why, live=len(live | rnd.learners()), quorum=rnd.quorum,
+                            choice=rnd.choice)
+        frag.last_close, frag.last_norms_sq = closed, rnd.norms_sq
+        return closed
 
     def drain(self, draining: bool = True) -> None:
         """Take no new rounds, so that this replica can stop with nothing lost: a
@@ -488,6 +584,40 @@ class Policy:
         """Feed back how long merging and publishing a version took (ξ_sync)."""
         frag = self._fragment(fragment)
         frag.sync_time_s = _ewma(frag.sync_time_s, seconds)
+
+    def record_merge(self, fragment: int, version: int, merged_norm_sq: float) -> None:
+        """Feed back Σ Δ² of the outer gradient that `version` merged: against the
+        contributions' own it measures the gradient's signal and noise. With weights
+        w, E‖Δ_m‖² (w-weighted) = ‖g‖² + σ² and E‖Δ̄‖² = ‖g‖² + σ²/K_eff, K_eff =
+        (Σw)²/Σw². A round of one learner, one with a replaced push (its merged work
+        is two pushes' sum) or one lacking a norm measures nothing."""
+        frag = self._fragment(fragment)
+        close, norms = frag.last_close, frag.last_norms_sq
+        if close is None or close.version != version or not math.isfinite(merged_norm_sq):
+            return
+        frag.last_close = None
+        merged = [c for c in close.manifest if c.weight > 0]
+        if (len(merged) != len(close.manifest) or self.config.merge != "mean"
+                or any((c.id.learner_id, c.id.seq) not in norms for c in merged)):
+            return
+        total = sum(c.weight for c in merged)
+        k_eff = total * total / sum(c.weight * c.weight for c in merged)
+        if k_eff < 1.0 + 1e-6:
+            return
+        each = sum(c.weight * norms[(c.id.learner_id, c.id.seq)] for c in merged) / total
+        noise = max(each - merged_norm_sq, 0.0) / (1.0 - 1.0 / k_eff)
+        signal = max(each - noise, 0.0)
+        frag.noise_sq = _ewma(frag.noise_sq, noise)
+        frag.signal_sq = _ewma(frag.signal_sq, signal)
+
+    def noise_ratio(self, fragment: int) -> float | None:
+        """ν = σ²/‖g‖² of the fragment's outer gradient (None before it is measured)."""
+        return _noise_ratio(self._fragment(fragment))
+
+    def round_quorum(self, fragment: int) -> int | None:
+        """The quorum the open round needs; None before its first contribution."""
+        rnd = self._fragment(fragment).round
+        return rnd.quorum if rnd.opened_at is not None else None
 
     # -- internals ---------------------------------------------------------
 
@@ -526,9 +656,27 @@ class Policy:
     def _is_due(self, frag: _Fragment, now: float) -> bool:
         rnd = frag.round
         if rnd.quorum_at is None or rnd.deadline is None:
-            return False
+            # "auto" chose from the learners live when the round opened; if some died
+            # since, the round must not wait for them.
+            return (self.config.min_quorum == "auto" and bool(rnd.contributions)
+                    and self.live_learners(now) <= rnd.learners())
         return (self.draining or now >= rnd.deadline
                 or self.live_learners(now) <= rnd.learners())
+
+    def _quorum(self, frag: _Fragment, now: float) -> tuple[int, QuorumChoice | None]:
+        """The quorum of a round that opens now: the configured one, or with "auto"
+        `choose_quorum` over the live learners' median push intervals (one with none
+        yet is taken at the others' median), the merge and publish time as the fixed
+        cost of every round."""
+        if isinstance(self.config.min_quorum, int):
+            return self.config.min_quorum, None
+        intervals = [self._learners[lid].push_interval() for lid in self.live_learners(now)]
+        known = sorted(i for i in intervals if i is not None)
+        typical = known[len(known) // 2] if known else 0.0
+        cycles = sorted(typical if i is None else i for i in intervals) or [0.0]
+        ceiling = self.config.min_quorum_max or len(cycles)
+        choice = choose_quorum(_noise_ratio(frag), cycles, frag.sync_time_s or 0.0, ceiling)
+        return choice.quorum, choice
 
     def _grace(self, frag: _Fragment, quorum_wait: float, now: float) -> float:
         live = [self._learners[lid] for lid in self.live_learners(now)]
@@ -556,6 +704,13 @@ def check_seq(seq: int) -> None:
     if not 1 <= seq <= MAX_SEQ:
         raise Rejected(Reason.MALFORMED, f"seq must be in 1..{MAX_SEQ} (got {seq}): a learner "
                                          f"must always have a next one")
+
+
+def _noise_ratio(frag: _Fragment) -> float | None:
+    if frag.noise_sq is None or frag.signal_sq is None:
+        return None
+    # No measurable signal: noise a trillion times over it, finite for the event log.
+    return frag.noise_sq / max(frag.signal_sq, 1e-12 * frag.noise_sq, 1e-300)
 
 
 def _ewma(previous: float | None, sample: float) -> float:

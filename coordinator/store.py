@@ -24,6 +24,7 @@ so a learner's apply span can link to the commit.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -36,7 +37,7 @@ from opentelemetry.trace import SpanContext
 
 from coordinator.config import OuterConfig
 from coordinator.durability import FragmentRecord, StateDir, StateError, new_commit_id
-from coordinator.merge import Accumulator, outer_step
+from coordinator.merge import Accumulator, norm_sq, outer_step
 from coordinator.policy import MergeRule, RoundClose
 from protos import telemetry
 
@@ -57,6 +58,9 @@ class Published:
     commit_id: int
     # The round span that committed it (None for version 0 or when not tracing).
     trace: SpanContext | None = None
+    # Σ Δ² of the merged outer gradient it applied, where the policy asks for it to
+    # estimate gradient noise (`Policy.record_merge`); NaN otherwise.
+    merged_norm_sq: float = math.nan
 
 
 @dataclass
@@ -259,9 +263,10 @@ class FragmentStore:
             watermarks[c.id.learner_id] = max(watermarks.get(c.id.learner_id, 0), c.id.seq)
         momentum = slot.momentum
 
-        def merge_and_write() -> tuple[FragmentRecord, int]:
+        def merge_and_write() -> tuple[FragmentRecord, int, float]:
             with _TRACER.start_as_current_span("ftsync.merge"):
                 delta = accumulator.result(close.total_weight)
+                merged_sq = norm_sq(delta) if close.choice is not None else math.nan
             with _TRACER.start_as_current_span("ftsync.outer_step"):
                 params = outer_step(self.outer.scaled(close.step_scale), old.params,
                                     momentum, delta)
@@ -270,11 +275,11 @@ class FragmentStore:
             with _TRACER.start_as_current_span("ftsync.durable_write") as write:
                 written = self.state.save_fragment(record)
                 write.set_attribute("ftsync.bytes", written)
-            return record, written
+            return record, written, merged_sq
 
         with _TRACER.start_as_current_span("ftsync.round_close", links=telemetry.links(admits),
                                            attributes=_round_attributes(close)) as span:
-            record, written = await asyncio.to_thread(merge_and_write)
+            record, written, merged_sq = await asyncio.to_thread(merge_and_write)
             self.bytes_written += written
             if guard is not None:
                 with _TRACER.start_as_current_span("ftsync.replicate"):
@@ -286,7 +291,7 @@ class FragmentStore:
                 return await self._publish(
                     slot, Published(close.version, params, watermarks, time.monotonic(),
                                     record.commit_id,
-                                    round_span if round_span.is_valid else None))
+                                    round_span if round_span.is_valid else None, merged_sq))
 
     async def wait_newer(self, fragment: int, have_version: int,
                          timeout: float) -> Published | None:

@@ -121,6 +121,13 @@ class Commit(TypedDict):
     grace_s: float
     sync_s: float
     why: str
+    # The quorum the round needed and the outer step's scale (`RoundClose`); with
+    # policy.min_quorum = "auto", what the quorum was chosen from (`QuorumChoice`).
+    quorum: int
+    step_scale: float
+    noise_ratio: NotRequired[float | None]
+    cycles_s: NotRequired[list[float]]
+    fixed_s: NotRequired[float]
     epoch: NotRequired[int]
 
 

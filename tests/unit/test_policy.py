@@ -881,7 +881,8 @@ MISSING_FRAGMENT = 7
 
 configs = st.builds(
     PolicyConfig,
-    min_quorum=st.integers(1, 4),
+    min_quorum=st.one_of(st.integers(1, 4), st.just("auto")),
+    min_quorum_max=st.integers(0, 4),
     gamma=st.floats(0.0, 1.0),
     grace_max_s=st.one_of(st.just(0.0), st.floats(0.0, 20.0)),
     staleness_exponent=st.one_of(st.just(0.0), st.floats(0.0, 3.0)),
@@ -937,7 +938,10 @@ class PolicyMachine(RuleBasedStateMachine):
                 if self.now - m.last_seen <= self.config.heartbeat_timeout_s}
 
     def has_quorum(self, p: int) -> bool:
-        return len({c.id.learner_id for c in self.rounds[p]}) >= self.config.min_quorum
+        # "auto": the quorum the round chose when it opened (None before).
+        quorum = (self.config.min_quorum if isinstance(self.config.min_quorum, int)
+                  else self.policy.round_quorum(p) or math.inf)
+        return len({c.id.learner_id for c in self.rounds[p]}) >= quorum
 
     def standing(self, cid: ContributionId) -> int | None:
         """The model's entry the learner has in the open round against `cid`'s base."""
@@ -973,8 +977,11 @@ class PolicyMachine(RuleBasedStateMachine):
 
     def close_and_check(self, p: int) -> None:
         deadline = self.policy.round_timing(p)[1]
-        assert deadline is not None
         closed = self.policy.close(p, self.now)
+        if deadline is None:  # "auto", below its quorum: every live learner came
+            assert self.config.min_quorum == "auto" and closed.why == "all_live"
+            assert self.live() <= {c.id.learner_id for c in closed.manifest}
+            deadline = self.now
         self.closes += 1
         # Versions go up by exactly one per close.
         assert closed.version == self.versions[p] + 1
@@ -998,7 +1005,12 @@ class PolicyMachine(RuleBasedStateMachine):
                            and life(later) == life(c)
                            for later in closed.manifest[i + 1:])
         learners = {c.id.learner_id for c in closed.manifest}
-        assert len(learners) >= self.config.min_quorum, "closed below quorum"
+        if self.config.min_quorum == "auto":
+            assert 1 <= closed.quorum <= (self.config.min_quorum_max or len(LEARNERS))
+            assert closed.choice is not None and closed.choice.quorum == closed.quorum
+        else:
+            assert closed.quorum == self.config.min_quorum
+        assert len(learners) >= closed.quorum or closed.why == "all_live", "below quorum"
         # Closed promptly: never after the deadline fixed at quorum.
         assert closed.quorum_at <= closed.closed_at <= deadline
         assert deadline == closed.quorum_at + closed.grace_s
@@ -1251,6 +1263,10 @@ class PolicyMachine(RuleBasedStateMachine):
             assert (deadline is not None) == self.has_quorum(p)
             learners = {c.id.learner_id for c in self.rounds[p]}
             expected = deadline is not None and (self.now >= deadline or live <= learners)
+            # "auto" chose its quorum from the learners live at the open; once all that
+            # are live now came, it waits for no one who died since.
+            expected = expected or (self.config.min_quorum == "auto" and bool(learners)
+                                    and live <= learners)
             assert (p in due) == expected, (p, due, deadline, self.now, live, learners)
         deadline = self.policy.next_deadline()
         if deadline is not None and self.now >= deadline:
