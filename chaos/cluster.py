@@ -178,7 +178,7 @@ class Cluster(abc.ABC, Generic[H]):
         will ask for (learner/spare.py checks they match)."""
         spec = self.experiment.learners
         return ["--task", spec.task, "--size", spec.size, "--seed", str(self.experiment.seed),
-                "--threads", str(spec.threads), *spec.args]
+                "--threads", str(spec.threads), "--num-shards", str(spec.count), *spec.args]
 
     def adversary_args(self, name: str, coordinator: str, kinds: list[str], duration_s: float,
                        event_log: str) -> list[str]:

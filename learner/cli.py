@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import re
@@ -379,14 +380,18 @@ def _build(args: argparse.Namespace) -> _Built:
     return _Built(device, task, model, task.make_optimizer(model), dynamo)
 
 
-def _warm(built: _Built) -> None:
+def _warm(built: _Built, num_shards: int) -> None:
     """One training step and one evaluation on data the spare then forgets: the weights
     and the optimizer's state are put back, the code paths the first real step takes
-    (the optimizer's, dynamo's imports, the data's) stay warm."""
+    (the optimizer's, dynamo's imports) stay warm, and so does every shard's data (read
+    once and cached by the task), whichever slot comes."""
     import torch
 
     saved = {key: value.clone() for key, value in built.model.state_dict().items()}
-    loss, _ = built.task.loss(built.model, next(built.task.train_batches(0, 1)))
+    batch = next(built.task.train_batches(0, num_shards))
+    for shard in range(1, num_shards):
+        next(built.task.train_batches(shard, num_shards))
+    loss, _ = built.task.loss(built.model, batch)
     built.optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     built.dynamo.join()
@@ -411,14 +416,18 @@ def run_spare(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"ftsync-learner: {exc}", file=sys.stderr)
             return 2
-        _warm(built)
+        _warm(built, args.num_shards)
     slot = wait_for_slot(args, _parse_refusing, time.monotonic() - began)
     if slot is None:
         return 0
-    return run_synthetic(slot) if built is None else run_task(slot, built)
+    return run_synthetic(slot) if built is None else run_task(slot, built, eval_beside=True)
 
 
-def run_task(args: argparse.Namespace, built: _Built | None = None) -> int:
+def run_task(args: argparse.Namespace, built: _Built | None = None,
+             eval_beside: bool = False) -> int:
+    """Train a torch task (`built` already, by a spare); `eval_beside`: the held-out
+    loss at start is measured beside the first steps, not before them."""
+
     from learner.api import Learner
 
     if built is None:
@@ -443,12 +452,24 @@ def run_task(args: argparse.Namespace, built: _Built | None = None) -> int:
         return code
     with _leaving_on_error(learner.close):
         _say_caught_up(args.learner_id, learner.catch_up, learner.peer_address)
-        run.eval_start = task.eval_loss(model)
-        run.evals.append((0, run.eval_start))
-        learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
-        print(f"{args.learner_id}: {args.task}/{args.size} on {device}, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters in "
-              f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
+
+        def evaluate_start(weights: torch.nn.Module) -> None:
+            run.eval_start = task.eval_loss(weights)
+            run.evals.insert(0, (0, run.eval_start))
+            learner.events.emit("eval", learner=args.learner_id, step=0, loss=run.eval_start)
+            print(f"{args.learner_id}: {args.task}/{args.size} on {device}, "
+                  f"{sum(p.numel() for p in model.parameters()):,} parameters in "
+                  f"{args.fragments} fragments; held-out loss {run.eval_start:.4f}", flush=True)
+
+        beside = None
+        if eval_beside:
+            # A spare taking a slot trains at once: the caught-up weights' held-out loss
+            # is measured on a copy of them, beside the first steps.
+            beside = threading.Thread(target=evaluate_start, args=(copy.deepcopy(model),),
+                                      daemon=True)
+            beside.start()
+        else:
+            evaluate_start(model)
         batches = task.train_batches(args.shard, args.num_shards)
         dynamo.join()  # the first optimizer step imports it
         while run.steps < args.steps and not run.stop_signal and (
@@ -474,6 +495,8 @@ def run_task(args: argparse.Namespace, built: _Built | None = None) -> int:
                 # The first step's event times a start: spawn (or hand-over) to training.
                 learner.events.emit("train", learner=args.learner_id, step=run.steps,
                                     loss=run.loss, tokens=run.tokens)
+        if beside is not None:
+            beside.join()
         _training_ended(run, learner.events)
         eval_end = task.eval_loss(model)
         run.evals.append((run.steps, eval_end))

@@ -139,10 +139,12 @@ class Spare:
         self.process.stdin.flush()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End a spare that holds no slot: close its input (it exits), else kill it."""
+        """End a spare that holds no slot (one warming too): SIGTERM, else SIGKILL."""
         if self.process.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
                 self.process.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -147,10 +147,15 @@ def test_harness_hands_a_killed_learners_slot_to_a_warm_spare(tmp_path: Path) ->
     assert len(starts) == 2 and starts[1].get("spare") is True, starts
     # A new spare warms as soon as one is handed a slot.
     assert len([e for e in events if e["kind"] == "spare_start"]) == 2
-    joins = [e for e in events if e["kind"] == "join" and e["source"] == "learner-0"]
-    assert len(joins) == 2 and joins[1]["t"] > starts[1]["t"]
+    # (On a loaded machine the first process may be killed before it joined.)
+    joined = next(e for e in events if e["kind"] == "join" and e["source"] == "learner-0"
+                  and e["t"] > starts[1]["t"])
     pushed = {(e["fragment"], e["seq"]) for e in events if e["kind"] == "push_invoke"
-              and e["source"] == "learner-0" and e["t"] > joins[1]["t"]}
+              and e["source"] == "learner-0" and e["t"] > joined["t"]}
     merged = {(e["fragment"], c["seq"]) for e in events if e["kind"] == "commit"
               for c in e["manifest"] if c["learner"] == "learner-0"}
     assert pushed & merged, "no contribution of the spare was merged"
+    for spare in (e for e in events if e["kind"] == "spare_start"):
+        wait_until(lambda pid=spare["pid"]: not Path(f"/proc/{pid}").exists()
+                   or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(),
+                   timeout=10, message=f"spare {spare['pid']} to end with the run")
