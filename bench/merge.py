@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -133,7 +134,9 @@ class InProcessLearner:
 
 def ingest_breakdown(sizes: Sequence[int], messages: list[list[pb.PushMessage]],
                      repeats: int) -> dict[str, float]:
-    """The ingest steps alone, over the same chunks: where the time goes."""
+    """The ingest steps alone, over the same chunks: where the time goes. Decode and
+    norm as two passes per chunk, and fused (`decode_norm_into`, what the daemon runs);
+    the same two steps and the fold in torch, the alternative to numpy's `out=`."""
     largest = max(sizes)
     staging = np.empty(largest, dtype=np.float32)
     accumulator = Accumulator("mean")
@@ -150,12 +153,50 @@ def ingest_breakdown(sizes: Sequence[int], messages: list[list[pb.PushMessage]],
                 chunk = message.chunk
                 norm_sq(staging[chunk.offset:chunk.offset + chunk.count])
 
+    def decode_then_norm() -> None:
+        for chunks in messages:
+            for message in chunks:
+                chunk = message.chunk
+                part = staging[chunk.offset:chunk.offset + chunk.count]
+                FP32.decode_into(chunk.data, chunk.scale, part, 0.5)
+                norm_sq(part)
+
+    def decode_norm() -> None:
+        for chunks in messages:
+            for message in chunks:
+                chunk = message.chunk
+                FP32.decode_norm_into(chunk.data, chunk.scale,
+                                      staging[chunk.offset:chunk.offset + chunk.count], 0.5)
+
     def fold() -> None:
         for n in sizes:
             accumulator.fold(staging[:n], 1.0, 0.0)
 
+    import torch
+
+    torch.set_num_threads(1)  # the daemon's numpy work runs on one worker thread at a time
+    # Read only, as the chunk's bytes are: torch says so once per buffer.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    tensor, total = torch.from_numpy(staging), torch.from_numpy(accumulator.sum)
+
+    def torch_decode_norm() -> None:
+        for chunks in messages:
+            for message in chunks:
+                chunk = message.chunk
+                part = tensor[chunk.offset:chunk.offset + chunk.count]
+                torch.mul(torch.frombuffer(chunk.data, dtype=torch.float32), 0.5, out=part)
+                float(torch.dot(part, part))
+
+    def torch_fold() -> None:
+        for n in sizes:
+            total[:n].add_(tensor[:n], alpha=0.5)  # the weight in the same pass
+
     return {"decode_s": best_seconds(decode, repeats), "norm_s": best_seconds(norm, repeats),
-            "fold_s": best_seconds(fold, repeats)}
+            "fold_s": best_seconds(fold, repeats),
+            "decode_then_norm_s": best_seconds(decode_then_norm, repeats),
+            "decode_norm_fused_s": best_seconds(decode_norm, repeats),
+            "torch_decode_norm_s": best_seconds(torch_decode_norm, repeats),
+            "torch_fold_weighted_s": best_seconds(torch_fold, repeats)}
 
 
 async def measure_ingest(sizes: list[int], delta: Floats, chunk_bytes: int, repeats: int,

@@ -35,7 +35,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
 from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.membership import Membership
-from coordinator.merge import first_non_finite, norm_sq
+from coordinator.merge import first_non_finite
 from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy, RoundClose, check_seq
 from coordinator.store import FragmentStore, Guard, Published
@@ -557,13 +557,9 @@ class Engine:
         """Decode the chunks (on the call, or frames on a bulk connection) into `out`
         as `prescale · values`, checking order, sizes and values; returns
         (‖values‖, bytes received)."""
-        reader = ChunkReader(out.size, f"fragment {header.fragment}", codec)
+        # The norm comes from the decoding pass itself (`Codec.decode_norm_into`).
+        reader = ChunkReader(out.size, f"fragment {header.fragment}", codec, norm=True)
         stream = aiter(messages)
-        total_sq = 0.0
-
-        def fold_norm(part: np.ndarray) -> None:
-            nonlocal total_sq
-            total_sq += norm_sq(part)
 
         def receive() -> Awaitable[pb.PushMessage | None]:
             return self._next_message(header, stream, reader.received)
@@ -571,9 +567,9 @@ class Engine:
         try:
             if announce is not None and self.bulk is not None:
                 transport = await self._receive_bulk(header, reader, stream, receive, announce,
-                                                     out, prescale, fold_norm)
+                                                     out, prescale)
             else:
-                await reader.read_into(receive, out, prescale, fold_norm)
+                await reader.read_into(receive, out, prescale)
                 reader.refuse_more(await receive())
                 transport = "grpc"
         except StreamEnded:
@@ -581,6 +577,7 @@ class Engine:
         except StreamError as exc:
             raise Rejected(Reason(exc.reason), exc.message) from exc
         self.metrics.transfers.add(1, {"direction": "push", "transport": transport})
+        total_sq = reader.square_sum
         if not math.isfinite(total_sq):
             index = first_non_finite(out)
             if index is not None:
@@ -599,8 +596,7 @@ class Engine:
     async def _receive_bulk(self, header: pb.PushHeader, reader: ChunkReader,
                             stream: AsyncIterator[pb.PushMessage],
                             receive: Callable[[], Awaitable[pb.PushMessage | None]],
-                            announce: Announce, out: np.ndarray, prescale: float,
-                            each: Callable[[np.ndarray], None]) -> str:
+                            announce: Announce, out: np.ndarray, prescale: float) -> str:
         """Hand out a ticket and receive the frames its connection brings; or, when
         the learner sends chunks on the call instead (it cannot reach the bulk port),
         those. Returns the transport the bytes took."""
@@ -619,8 +615,8 @@ class Engine:
                 first = fallback.result()
                 if first is not None:
                     bulk.tickets.withdraw(ticket)
-                    each(reader.accept(first, out, prescale))
-                    await reader.read_into(receive, out, prescale, each)
+                    reader.accept(first, out, prescale)
+                    await reader.read_into(receive, out, prescale)
                     reader.refuse_more(await receive())
                     return "grpc_fallback"
                 with contextlib.suppress(TimeoutError):
@@ -633,7 +629,7 @@ class Engine:
             conn = handoff.connection.result()
             reusable = False
             try:
-                await bulk.run(conn, lambda: receive_frames(conn, reader, out, prescale, each))
+                await bulk.run(conn, lambda: receive_frames(conn, reader, out, prescale))
                 await bulk.run(conn, lambda: taken(conn))
                 reusable = True
             except (OSError, ConnectionError) as exc:

@@ -53,7 +53,7 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from protos.codec import FP32, MAX_CHUNK_BYTES, Codec, CodecError, chunk_elements
+from protos.codec import FP32, MAX_CHUNK_BYTES, Codec, chunk_elements
 from protos.stream import ChunkReader, StreamError
 from protos.tls import TlsMaterial, client_context
 
@@ -203,10 +203,11 @@ def send_frames(conn: socket.socket, values: Floats, codec: Codec = FP32,
 
 
 def receive_frames(conn: socket.socket, reader: ChunkReader, out: Floats,
-                   weight: float = 1.0, each: Callable[[Floats], None] | None = None) -> None:
+                   weight: float = 1.0) -> None:
     """Blocking: frames into `out` as `weight · values` until `reader` is complete.
     fp32 frames land straight in `out`; a frame is checked against its checksum
-    before it is weighted or decoded, and `each` sees every finished slice."""
+    before it is weighted or decoded, in one pass with its norm when the reader
+    takes it (`ChunkReader.decode`)."""
     codec = reader.codec
     direct = codec is FP32 and _LITTLE
     scratch = None if direct else memoryview(bytearray(FRAME_BYTES))
@@ -219,17 +220,11 @@ def receive_frames(conn: socket.socket, reader: ChunkReader, out: Floats,
         if checksum(target) != digest:
             raise BulkError("corrupt", f"frame at offset {offset} of {reader.subject} fails "
                                        f"its checksum")
-        if scratch is None:
-            if weight != 1.0:
-                np.multiply(part, np.float32(weight), out=part)
-        else:
-            try:
-                codec.decode_into(target, scale, part, weight)
-            except CodecError as exc:
-                raise BulkError("bad_encoding", f"frame at offset {offset}: {exc}") from exc
+        if scratch is not None:
+            reader.decode(offset, target, scale, part, weight)
+        elif weight != 1.0 or reader.norm:
+            reader.decode(offset, target, 1.0, part, weight)  # in place
         reader.taken(count, nbytes)
-        if each is not None:
-            each(part)
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

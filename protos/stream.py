@@ -57,10 +57,15 @@ class ChunkReader:
     without gaps, each with at least one element, within the vector, at most
     `MAX_CHUNK_BYTES` of data and exactly the codec's size for its count."""
 
-    def __init__(self, numel: int, subject: str, codec: Codec = FP32) -> None:
+    def __init__(self, numel: int, subject: str, codec: Codec = FP32,
+                 norm: bool = False) -> None:
+        """`norm`: also take Σ v² of the decoded (weighted) values, in the decoding
+        pass (`square_sum`): the synchronizer's norm check and RDA need it."""
         self.numel = numel
         self.subject = subject
         self.codec = codec
+        self.norm = norm
+        self.square_sum = 0.0
         self.received = 0  # elements
         self.nbytes = 0  # bytes of chunk data
 
@@ -103,26 +108,33 @@ class ChunkReader:
         data = chunk.data  # each read of a bytes field copies it: read once
         self.check(chunk.offset, chunk.count, len(data))
         part = out[chunk.offset:chunk.offset + chunk.count]
-        try:
-            self.codec.decode_into(data, chunk.scale, part, weight)
-        except CodecError as exc:
-            raise StreamError("bad_encoding", f"chunk at offset {chunk.offset}: {exc}") from exc
+        self.decode(chunk.offset, data, chunk.scale, part, weight)
         self.taken(chunk.count, len(data))
         return part
 
+    def decode(self, offset: int, data: bytes | memoryview, scale: float, part: Floats,
+               weight: float = 1.0) -> None:
+        """Decode a checked chunk's data into its slice `part` as `weight · values`,
+        with `norm` adding its square sum from the same pass. `data` may be `part`'s
+        own memory (an fp32 frame received in place)."""
+        try:
+            if self.norm:
+                self.square_sum += self.codec.decode_norm_into(data, scale, part, weight)
+            else:
+                self.codec.decode_into(data, scale, part, weight)
+        except CodecError as exc:
+            raise StreamError("bad_encoding", f"chunk at offset {offset}: {exc}") from exc
+
     async def read_into(self, receive: Callable[[], Awaitable[ChunkMessage | None]],
-                        out: Floats, weight: float = 1.0,
-                        each: Callable[[Floats], None] | None = None) -> None:
-        """Receive chunks until the vector is complete; `each` sees every decoded
-        slice. `StreamEnded` when `receive` answers None (the stream's end) first."""
+                        out: Floats, weight: float = 1.0) -> None:
+        """Receive chunks until the vector is complete. `StreamEnded` when `receive`
+        answers None (the stream's end) first."""
         while not self.complete:
             message = await receive()
             if message is None:
                 raise StreamEnded(f"stream ended after {self.received} of {self.numel} "
                                   f"elements of {self.subject}")
-            part = self.accept(message, out, weight)
-            if each is not None:
-                each(part)
+            self.accept(message, out, weight)
 
     def refuse_more(self, message: ChunkMessage | None) -> None:
         """A message after the last chunk of a stream that carries one vector."""
