@@ -35,8 +35,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,8 @@ from chaos.local import CoordinatorProcess as Daemon
 from coordinator.certs import make_certificates
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import tls
+from protos import metadata, tls
+from protos.bulk import BulkPool
 from protos.codec import (
     DEFAULT_CHUNK_BYTES,
     MESSAGE_SIZE_OPTIONS,
@@ -59,6 +61,7 @@ from protos.codec import (
     codec_named,
     decode_chunk_into,
 )
+from protos.stream import ChunkReader
 
 MIB = 1 << 20
 MB = 1e6
@@ -181,17 +184,21 @@ def push_messages(header: pb.PushHeader, values: Floats, codec: Codec, chunk_byt
 
 
 class BenchLearner:
-    """The least a learner does over gRPC: join, push, pull, heartbeat."""
+    """The least a learner does: join, push, pull, heartbeat over gRPC, the bytes of
+    pushes and pulls on the bulk channel (`bulk`, as a learner does by default) or as
+    chunks on the calls."""
 
     def __init__(self, address: str, learner_id: str, sizes: Sequence[int],
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 credentials: tls.TlsMaterial | None = None) -> None:
+                 credentials: tls.TlsMaterial | None = None, bulk: bool = True) -> None:
         self.channel = tls.aio_channel(address, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.learner_id = learner_id
         self.sizes = list(sizes)
         self.chunk_bytes = chunk_bytes
         self.next_seq = 1
+        self.bulk = BulkPool(learner_id, credentials) if bulk else None
+        self.host = address.rpartition(":")[0].strip("[]")
 
     async def join(self) -> pb.JoinResponse:
         response: pb.JoinResponse = await self.stub.Join(
@@ -207,11 +214,29 @@ class BenchLearner:
         header = pb.PushHeader(
             learner_id=self.learner_id, fragment=fragment, layout_hash=LAYOUT_HASH, seq=seq,
             base_version=base_version, c_tokens=4096, c_steps=16, codec=codec.wire,
-            numel=values.size, init=init)
-        count = WireCount()
-        response: pb.PushResponse = await self.stub.PushFragment(
-            push_messages(header, values, codec, self.chunk_bytes, count))
-        return response, count.data_bytes
+            numel=values.size, init=init, bulk=self.bulk is not None)
+        if self.bulk is None:
+            count = WireCount()
+            response: pb.PushResponse = await self.stub.PushFragment(
+                push_messages(header, values, codec, self.chunk_bytes, count))
+            return response, count.data_bytes
+        pool = self.bulk
+        sent = asyncio.Event()
+
+        async def messages() -> AsyncIterator[pb.PushMessage]:
+            yield pb.PushMessage(header=header)
+            await sent.wait()  # the stream ends once the frames are taken
+
+        call = self.stub.PushFragment(messages())
+        initial = dict(await call.initial_metadata() or ())
+        nbytes = 0
+        if metadata.BULK_TICKET in initial:  # else refused: the call says why
+            nbytes = await asyncio.to_thread(
+                pool.push, self.host, int(initial[metadata.BULK_PORT]),
+                bytes.fromhex(initial[metadata.BULK_TICKET]), values, codec)
+        sent.set()
+        response = await call
+        return response, nbytes
 
     async def pull(self, fragment: int, have_version: int, out: Floats) -> Pulled:
         """Pull a version newer than `have_version` into `out`, decoding as it streams."""
@@ -221,14 +246,20 @@ class BenchLearner:
         nbytes = 0
         call = self.stub.PullFragment(pb.PullRequest(
             learner_id=self.learner_id, fragment=fragment, have_version=have_version,
-            wait_ms=PULL_WAIT_MS))
+            wait_ms=PULL_WAIT_MS, bulk=self.bulk is not None))
         async for message in call:
             if message.WhichOneof("kind") == "header":
                 header_at = time.perf_counter()
-                if message.header.not_modified:
+                header = message.header
+                if header.not_modified:
                     raise RuntimeError(f"fragment {fragment}: no version newer than "
                                        f"{have_version} within {PULL_WAIT_MS} ms")
-                version = message.header.version
+                version = header.version
+                if header.ticket and self.bulk is not None:
+                    reader = ChunkReader(out.size, f"fragment {fragment}")
+                    await asyncio.to_thread(self.bulk.pull, self.host, header.bulk_port,
+                                            header.ticket, reader, out)
+                    nbytes += reader.nbytes
             else:
                 decode_chunk_into(message.chunk, FP32, out)
                 nbytes += len(message.chunk.data)
@@ -248,6 +279,8 @@ class BenchLearner:
             await asyncio.sleep(0.005)
 
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         await self.channel.close(grace=None)
 
 
@@ -567,6 +600,141 @@ def tls_best(result: dict[str, Any]) -> dict[str, Any]:
     return best
 
 
+# -- many learners into one round -------------------------------------------------------
+
+_RAW_SINK = r"""
+import socket, sys, threading
+server = socket.create_server(("127.0.0.1", 0), backlog=64)
+print(server.getsockname()[1], flush=True)
+
+def sink(conn):
+    with conn:
+        size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+        view = memoryview(bytearray(16 << 20))
+        got = 0
+        while got < size:
+            n = conn.recv_into(view, min(size - got, view.nbytes))
+            if n == 0:
+                sys.exit("a sender went away")
+            got += n
+        conn.sendall(b"\x00")
+
+while True:
+    conn, _ = server.accept()
+    threading.Thread(target=sink, args=(conn,), daemon=True).start()
+"""
+
+
+def raw_fan_in(payload: memoryview, senders: int) -> float:
+    """Seconds for `senders` threads to send `payload` each into one sink process."""
+    process = subprocess.Popen([sys.executable, "-c", _RAW_SINK], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout is not None
+        port = int(process.stdout.readline())
+
+        def send() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(payload.nbytes.to_bytes(8, "little"))
+                conn.sendall(payload)
+                if conn.recv(1) != b"\x00":
+                    raise RuntimeError("the raw sink closed early")
+
+        threads = [threading.Thread(target=send) for _ in range(senders)]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - started
+    finally:
+        process.kill()
+        process.wait()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The high-water mark of a process's resident memory (Linux VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+async def fan_in_rounds(address: str, sizes: list[int], theta: Floats, delta: Floats,
+                        learners: int, rounds: int) -> list[float]:
+    """`learners` learners push every fragment at once into one round (closing when all
+    have contributed); the seconds from the first push to the last acknowledgement."""
+    crowd = [BenchLearner(address, f"bench-{i}", sizes) for i in range(learners)]
+    try:
+        for learner in crowd:
+            await learner.join()
+        thetas, deltas = split(theta, sizes), split(delta, sizes)
+        for p, values in enumerate(thetas):
+            await crowd[0].push(p, values, init=True)
+        runs = []
+        for version in range(rounds):
+            started = time.perf_counter()
+            acks = await asyncio.gather(*(learner.push(p, deltas[p], base_version=version)
+                                          for learner in crowd for p in range(len(sizes))))
+            runs.append(time.perf_counter() - started)
+            if {response.target_version for response, _ in acks} != {version + 1}:
+                raise RuntimeError(f"the pushes did not all join round {version + 1}")
+            await crowd[0].wait_versions(version + 1)
+        return runs
+    finally:
+        for learner in crowd:
+            await learner.close()
+
+
+def fan_in(args: argparse.Namespace, sizes: list[int], theta: Floats, delta: Floats) -> None:
+    """Aggregate ingest of `--learners` learners against as many raw senders."""
+    payload = delta.data.cast("B")
+    nbytes = args.learners * delta.nbytes
+    log(f"baseline: {args.learners} raw senders into one process, {delta.nbytes / MB:.0f} MB "
+        f"each")
+    raw = [raw_fan_in(payload, args.learners) for _ in range(args.raw_repeats)]
+    log(f"  {nbytes / min(raw) / MB:.0f} MB/s")
+    with tempfile.TemporaryDirectory(prefix="ftsync-bench-transfer-") as tmp:
+        with daemon_environment(args.daemon_env):
+            daemon = Daemon(state_dir=Path(tmp) / "state", args=[
+                "--set", "fsync=false", "--set", f"policy.min_quorum={args.learners}",
+                "--set", "policy.grace_max_s=0"]).start()
+        try:
+            assert daemon.process is not None
+            runs = asyncio.run(fan_in_rounds(daemon.address, sizes, theta, delta,
+                                             args.learners, args.rounds))
+            peak = peak_rss_mb(daemon.process.pid)
+        finally:
+            daemon.stop()
+    raw += [raw_fan_in(payload, args.learners) for _ in range(args.raw_repeats)]
+    daemon_mb_s, raw_mb_s = nbytes / min(runs) / MB, nbytes / min(raw) / MB
+    log(f"  daemon: {daemon_mb_s:.0f} MB/s (rounds {[round(r, 2) for r in runs]} s), "
+        f"raw {raw_mb_s:.0f} MB/s, daemon peak RSS {peak:.0f} MB")
+    model_mb = delta.nbytes / MB
+    # Parameters, momentum and the open round's sum, plus the default staging: twice
+    # the largest fragment.
+    expected = 3 * model_mb + 2 * 4 * max(sizes) / MB
+    emit({
+        "name": "transfer_fan_in",
+        "ratio": daemon_mb_s / raw_mb_s,
+        "target": 0.7,
+        "unit": "aggregate ingest ratio",
+        "learners": args.learners,
+        "params": args.params,
+        "fragments": args.fragments,
+        "mb": "1e6 bytes",
+        "daemon_mb_s": daemon_mb_s,
+        "raw_mb_s": raw_mb_s,
+        "daemon_rounds_s": [round(r, 4) for r in runs],
+        "raw_runs_s": [round(r, 4) for r in raw],
+        "daemon_peak_rss_mb": peak,
+        "model_mb": model_mb,
+        "expected_peak_mb": expected,
+        "peak_over_expected": peak / expected,
+        "load_average": round(os.getloadavg()[0], 2),
+    })
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser(__doc__.splitlines()[0] if __doc__ else "transfer benchmark")
     parser.add_argument("--rounds", type=int, default=3,
@@ -582,12 +750,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--raw-repeats", type=int, default=2,
                         help="raw-socket round trips before and after the daemon's; the best "
                              "counts (default 2 each)")
+    parser.add_argument("--learners", type=int, default=1,
+                        help="more than 1: that many learners push one fragment set each "
+                             "into one round at once, against as many raw senders into one "
+                             "process (aggregate ingest; daemon peak memory)")
     args = parser.parse_args(argv)
     sizes = fragment_sizes(args.params, args.fragments)
     load_before = os.getloadavg()
     log(f"{args.params:,} fp32 parameters in {args.fragments} fragments "
         f"({4 * args.params / MB:.0f} MB); load average {load_before[0]:.2f}")
     theta, delta = make_model(args.params)
+    if args.learners > 1:
+        fan_in(args, sizes, theta, delta)
+        return
     sink = np.empty_like(delta)
 
     log("baseline: raw TCP socket, same bytes up and back")
