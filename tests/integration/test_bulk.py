@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 
 from chaos.proxy import ThreadedProxy
-from learner.client import SynchronizerClient
+from learner.client import Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata
 from protos.bulk import HEAD, TICKET_BYTES, checksum
 from protos.codec import INT8
-from tests.daemon import Daemon, wait_until
+from tests.daemon import Daemon, proxy_in_front, wait_until
 from tests.integration.test_bad_input import free_port, metrics_text
 
 StartDaemon = Callable[..., Daemon]
@@ -330,3 +330,38 @@ def test_a_connection_cut_mid_frame_is_counted_as_cut(initialized: Daemon,
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["reason"] for e in events if e["kind"] == "push_cut"] == ["cut"]
     push_properly(daemon, seq=2)
+
+
+def test_a_push_whose_connections_are_cut_mid_frame_is_pushed_again(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    """The learner's outbox sends a push cut on the bulk channel again, and it merges
+    once; the daemon counts the cut, folds nothing of it."""
+    log = tmp_path / "events.jsonl"
+    daemon = start_daemon(*FAST, "--event-log", str(log))
+    with proxy_in_front(daemon) as proxy:  # the bulk port mirrored: both channels cross it
+
+        async def scenario() -> None:
+            learner = client(proxy.address, retry=Retry(initial_s=0.05, max_s=0.2,
+                                                         give_up_after_s=20))
+            try:
+                await init_and_pull(learner)
+                before = proxy.describe()["bytes_up"]
+                proxy.set_bandwidth(2e6)  # the 4 MB push takes 2 s: time to cut it
+                push = asyncio.ensure_future(learner.push(0, GRADIENT, 0, 1000, 10, 10))
+                async with asyncio.timeout(TIMEOUT):
+                    while proxy.describe()["bytes_up"] < before + 1_000_000:
+                        await asyncio.sleep(0.01)  # polling the condition, not a guess
+                proxy.reset_connections()
+                proxy.set_bandwidth(None)
+                assert await push == 1
+                assert learner.stats.repushed == 0 and learner.backlog == 1
+            finally:
+                await learner.close()
+
+        asyncio.run(scenario())
+    wait_until(lambda: daemon.status().fragments[0].version == 1, TIMEOUT)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["kind"] for e in events if e["kind"] in ("push_cut", "push_ack")
+            and e.get("seq") == 2] == ["push_cut", "push_ack"]
+    commits = [e for e in events if e["kind"] == "commit" and e["version"] == 1]
+    assert [m["seq"] for m in commits[0]["manifest"]] == [2]
