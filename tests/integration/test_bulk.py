@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 from chaos.proxy import ThreadedProxy
+from coordinator.certs import make_certificates
 from learner.client import Retry, SynchronizerClient
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import metadata
+from protos import metadata, tls
 from protos.bulk import HEAD, TICKET_BYTES, checksum
 from protos.codec import INT8
 from tests.daemon import Daemon, proxy_in_front, wait_until
@@ -365,3 +366,26 @@ def test_a_push_whose_connections_are_cut_mid_frame_is_pushed_again(
             and e.get("seq") == 2] == ["push_cut", "push_ack"]
     commits = [e for e in events if e["kind"] == "commit" and e["version"] == 1]
     assert [m["seq"] for m in commits[0]["manifest"]] == [2]
+
+
+def test_under_mutual_tls_the_bulk_connections_are_tls_with_the_same_certificates(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    make_certificates(certs, [], ["a"])
+    port = free_port()
+    daemon = start_daemon(*FAST, "--prometheus-listen", str(port), "--tls-cert",
+                          str(certs / "coordinator.pem"), "--tls-key",
+                          str(certs / "coordinator.key"), "--tls-ca", str(certs / "ca.pem"))
+    credentials = tls.load(tls.TlsConfig(cert=str(certs / "learner-a.pem"),
+                                         key=str(certs / "learner-a.key"),
+                                         ca=str(certs / "ca.pem")))
+
+    async def scenario() -> None:
+        learner = client(daemon.address, tls=credentials)
+        try:
+            np.testing.assert_array_equal(await init_and_pull(learner), INITIAL)
+        finally:
+            await learner.close()
+
+    asyncio.run(scenario())
+    assert transfers(port) == {"push/bulk": 1, "pull/bulk": 1}
