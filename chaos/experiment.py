@@ -49,7 +49,8 @@ class CoordinatorSpec:
     # async: quorum `min_quorum` with a grace window; sync: lock-step DiLoCo
     # (quorum = every learner, no grace, learners wait for each merge).
     mode: Literal["async", "sync"] = "async"
-    min_quorum: int = 1
+    # A count, or "auto": each round chooses (the coordinator's policy.min_quorum).
+    min_quorum: int | Literal["auto"] = 1
     # Any further coordinator settings, as `--set key=value` (e.g. "outer.lr" = 0.3).
     settings: Mapping[str, Any] = field(default_factory=dict)
     # More than one: a highly available synchronizer on etcd (needs [etcd] members).
@@ -59,8 +60,10 @@ class CoordinatorSpec:
     etcd_proxies: bool = False
 
     def __post_init__(self) -> None:
-        if self.min_quorum < 1:
-            raise ValueError(f"coordinator.min_quorum must be at least 1 (got {self.min_quorum})")
+        if self.min_quorum != "auto" and not (isinstance(self.min_quorum, int)
+                                              and self.min_quorum >= 1):
+            raise ValueError(f"coordinator.min_quorum must be at least 1 or \"auto\" "
+                             f"(got {self.min_quorum!r})")
         if self.replicas < 1:
             raise ValueError(f"coordinator.replicas must be at least 1 (got {self.replicas})")
         # Checked as the coordinator will read them, before anything starts.

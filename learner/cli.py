@@ -110,7 +110,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for flag, value, least in (("--progress-every", args.progress_every, 1),
                                ("--threads", args.threads, 1), ("--dim", args.dim, 1),
                                ("--tokens", args.tokens, 0), ("--eval-every", args.eval_every, 0),
-                               ("--step-ms", args.step_ms, 0)):
+                               ("--step-ms", args.step_ms, 0), ("--batch", args.batch, 0)):
         if value < least:
             parser.error(f"{flag} must be at least {least} (got {value})")
     if args.task == "synthetic" and args.fragments > args.dim:
@@ -149,6 +149,8 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
     parser.add_argument("--num-shards", type=int, default=1, help="learners sharing the data")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="examples (sequences) per inner step; 0: the task's size's")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="extra time per step, to stand in for heavier compute")
     parser.add_argument("--dim", type=int, default=1024, help="synthetic: model size")
@@ -375,7 +377,8 @@ def _build(args: argparse.Namespace) -> _Built:
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dynamo = import_dynamo_aside()
-    task = task_named(args.task, seed=args.seed, device=device, size=args.size)
+    task = task_named(args.task, seed=args.seed, device=device, size=args.size,
+                      batch_size=args.batch or None)
     model = task.build_model()
     return _Built(device, task, model, task.make_optimizer(model), dynamo)
 
@@ -508,7 +511,8 @@ def run_task(args: argparse.Namespace, built: _Built | None = None,
 
 def run_synthetic(args: argparse.Namespace) -> int:
     """The numpy regression task: no torch, for many small learners."""
-    task = RegressionTask(dim=args.dim, shard=args.shard, seed=args.seed)
+    task = RegressionTask(dim=args.dim, shard=args.shard, seed=args.seed,
+                          batch=args.batch or RegressionTask.batch)
     bounds = task.fragment_bounds(args.fragments)
     numels = [b - a for a, b in bounds]
     events = EventLog(args.event_log, source=args.learner_id)

@@ -28,10 +28,11 @@ def learner(*args: str) -> list[str]:
     (["--step-ms", "-1"], ["--step-ms", "at least 0"]),
     (["--threads", "0"], ["--threads"]),
     (["--tokens", "-5"], ["--tokens"]),
+    (["--batch", "-1"], ["--batch", "at least 0"]),
     (["--sync-every", "4", "--overlap", "10"], ["overlap", "at most sync_every"]),
     (["--task", "synthetic", "--dim", "16", "--fragments", "1000"], ["--fragments 1000",
                                                                       "--dim 16"]),
-], ids=["progress", "step-ms", "threads", "tokens", "overlap", "fragments"])
+], ids=["progress", "step-ms", "threads", "tokens", "batch", "overlap", "fragments"])
 def test_a_flag_it_cannot_train_with_is_refused_by_name(args: list[str],
                                                          needles: list[str]) -> None:
     result = subprocess.run(learner("--task", "synthetic", *args), capture_output=True,

@@ -263,3 +263,10 @@ def test_coordinator_settings_keep_toml_booleans(tmp_path: Path) -> None:
     path = tmp_path / "exp.toml"
     path.write_text(BASE + '\n[coordinator.settings]\n"outer.nesterov" = false\n')
     assert load_experiment(path).coordinator.overrides()["outer.nesterov"] == "false"
+
+
+def test_a_quorum_that_chooses_itself(tmp_path: Path) -> None:
+    experiment = load_experiment_text(tmp_path, BASE + '\n[coordinator]\nmin_quorum = "auto"\n')
+    assert experiment.coordinator.min_quorum == "auto"
+    message = error_of(tmp_path, BASE + '\n[coordinator]\nmin_quorum = "most"\n')
+    assert "coordinator.min_quorum must be int or one of ['auto']" in message, message

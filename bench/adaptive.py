@@ -1,0 +1,243 @@
+"""Adaptive benchmark: static quorums K = 1..4 against `policy.min_quorum = "auto"`,
+same tokens and seed, all measured in one run.
+
+Four `ftsync-learner` processes train `digits` (one torch thread each, every step
+sleeping `--step-ms` to stand in for an accelerator, as in `bench/convergence.py`)
+through a real `python -m coordinator` at the daemon's outer defaults (DiLoCo's lr 0.7
+and Nesterov 0.9, scaled per round), in three settings:
+
+- **heterogeneous**: learners at 1×, 1×, ½× and ¼× speed for the whole run (the
+  setting of `experiments/heterogeneous.toml`: SIGSTOP/SIGCONT duty cycles and a
+  longer emulated step, as `bench.convergence` slows its straggler);
+- **noisy**: four equal learners with small batches (`--batch 4`): noisy outer
+  gradients;
+- **quiet**: four equal learners with large batches (`--batch 128`): little noise.
+
+The token budget is a total: once the steps summed over the four learners reach
+4 × `--steps`, every learner still running is sent SIGTERM. Each learner evaluates the
+held-out split every `--eval-every` steps; the run's held-out loss at a time is the mean
+of the learners' latest evaluations. Per setting, the target is the best static run's
+final loss plus 2%, and each run's figure is the wall-clock time from the first step to
+the first moment its loss is at or below the target (a run that never gets there counts
+twice its wall-clock, marked `reached: false`).
+
+`auto_k_vs_best_static` = auto's time to target over the best static K's, in the worst
+setting (target ≤ 1.03); `auto_k_best_gain` = over settings, the fastest static K's time
+over auto's (target ≥ 1.10 in at least one). The local-steps keys (`auto_h_*`) are null:
+`sync_every = "auto"` is not built yet.
+
+Run from the repository root: `python -m bench.adaptive [--quick]`. Progress goes to
+stderr; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from bench.convergence import DutyCycle, log
+from chaos.local import CoordinatorProcess
+
+LEARNERS = 4
+QUORUMS: tuple[int | str, ...] = (1, 2, 3, 4, "auto")
+# `ftsync-learner`'s progress line: its step, and its held-out loss when it evaluated.
+PROGRESS = re.compile(r"^\S+ step (\d+) .*? eval ([0-9.]+)")
+RUN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    batch: int
+    # Per learner: how many times slower than the fastest.
+    slowdowns: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+
+
+SETTINGS = (Setting("heterogeneous", 32, (1.0, 1.0, 2.0, 4.0)),
+            Setting("noisy", 4), Setting("quiet", 128))
+
+
+@dataclass
+class Run:
+    """One cluster run: the held-out loss curve (seconds from the first step, loss)."""
+
+    setting: str
+    quorum: int | str
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+    rounds: dict[int, int] = field(default_factory=dict)
+    mean_staleness: float = 0.0
+
+    @property
+    def final(self) -> float:
+        return self.curve[-1][1]
+
+    def time_to(self, target: float) -> tuple[float, bool]:
+        """Seconds to `target`, and whether it got there: a run that did not counts
+        twice its wall-clock, so that it never looks faster than one that did."""
+        for at, loss in self.curve:
+            if loss <= target:
+                return at, True
+        return 2 * self.wall_s, False
+
+
+class Followed:
+    """Reads learners' progress lines: steps summed, latest eval per learner."""
+
+    def __init__(self, count: int) -> None:
+        self.steps = [0] * count
+        self.evals: list[float | None] = [None] * count
+        self.curve: list[tuple[float, float]] = []
+        self.started: float | None = None
+        self.lock = threading.Lock()
+
+    def follow(self, index: int, stream: IO[str]) -> threading.Thread:
+        def read() -> None:
+            for line in stream:
+                match = PROGRESS.match(line)
+                if match:
+                    self.saw(index, int(match.group(1)), float(match.group(2)))
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        return thread
+
+    def saw(self, index: int, step: int, loss: float) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if self.started is None:
+                self.started = now
+            self.steps[index] = step
+            self.evals[index] = loss
+            known = [e for e in self.evals if e is not None]
+            if len(known) == len(self.evals):
+                self.curve.append((now - self.started, sum(known) / len(known)))
+
+
+def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -> Run:
+    with tempfile.TemporaryDirectory(prefix="ftsync-adaptive-") as tmp:
+        events = Path(tmp) / "events.jsonl"
+        coordinator = CoordinatorProcess(Path(tmp) / "state", [
+            "--min-quorum", str(quorum), "--set", f"policy.grace_max_s={args.grace_max_s}",
+            "--set", "policy.max_staleness=32", "--set", "fsync=false",
+            "--event-log", str(events)]).start()
+        followed = Followed(LEARNERS)
+        stderr = open(Path(tmp) / "learners.stderr", "w")  # noqa: SIM115 (closed below)
+        processes: list[subprocess.Popen[str]] = []
+        cycles: list[DutyCycle] = []
+        try:
+            for i, slowdown in enumerate(setting.slowdowns):
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "learner", "--coordinator", coordinator.address,
+                     "--task", "digits", "--size", "small", "--learner-id", f"learner-{i}",
+                     "--shard", str(i), "--num-shards", str(LEARNERS), "--seed", "0",
+                     "--batch", str(setting.batch), "--steps", str(args.steps * 4),
+                     "--step-ms", str(args.step_ms * slowdown),
+                     "--progress-every", str(args.eval_every),
+                     "--eval-every", str(args.eval_every)],
+                    stdout=subprocess.PIPE, stderr=stderr, text=True)
+                assert process.stdout is not None
+                followed.follow(i, process.stdout)
+                processes.append(process)
+                if slowdown > 1:
+                    cycles.append(DutyCycle(process.pid, 0.1, slowdown).start())
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while sum(followed.steps) < args.steps * LEARNERS:
+                if time.monotonic() > deadline or all(p.poll() is not None for p in processes):
+                    break
+                time.sleep(0.05)
+            wall = time.monotonic() - (followed.started or time.monotonic())
+        finally:
+            for cycle in cycles:
+                cycle.stop()
+            for process in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in processes:
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            coordinator.stop()
+            stderr.close()
+        said = (Path(tmp) / "learners.stderr").read_text()
+        run = Run(setting.name, quorum, list(followed.curve), wall)
+        merged = [json.loads(line) for line in events.read_text().splitlines()
+                  if '"commit"' in line]
+        staleness = [c["staleness"] for e in merged if e.get("kind") == "commit"
+                     for c in e["manifest"]]
+        for e in merged:
+            if e.get("kind") == "commit":
+                run.rounds[e["quorum"]] = run.rounds.get(e["quorum"], 0) + 1
+        run.mean_staleness = sum(staleness) / len(staleness) if staleness else 0.0
+        if not run.curve:
+            raise RuntimeError(f"{setting.name} K={quorum}: no held-out evaluation came back; "
+                               f"the learners said: {said[-2000:]}")
+        return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 60 steps, K=1,auto")
+    parser.add_argument("--steps", type=int, default=300, help="budget per learner")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="emulated device time")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--grace-max-s", type=float, default=0.5)
+    parser.add_argument("--only", default="", help="settings to run, comma-separated")
+    args = parser.parse_args(argv)
+    quorums = QUORUMS
+    if args.quick:
+        args.steps, quorums = 60, (1, "auto")
+    settings = [s for s in SETTINGS if not args.only or s.name in args.only.split(",")]
+    scenarios: dict[str, Any] = {}
+    ratios, gains = [], []
+    for setting in settings:
+        runs = {}
+        for quorum in quorums:
+            log(f"{setting.name}: K={quorum}")
+            runs[quorum] = run_cluster(setting, quorum, args)
+            r = runs[quorum]
+            log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} staleness {r.mean_staleness:.2f} "
+                f"rounds by quorum {r.rounds}")
+        static = {k: r for k, r in runs.items() if k != "auto"}
+        target = min(r.final for r in static.values()) * 1.02
+        times = {k: r.time_to(target) for k, r in runs.items()}
+        best_static = min(times[k][0] for k in static)
+        auto_time = times["auto"][0]
+        ratios.append(auto_time / best_static)
+        gains.append(best_static / auto_time)
+        scenarios[setting.name] = {
+            "target": round(target, 4),
+            "time_to_target_s": {str(k): round(t, 2) for k, (t, _) in times.items()},
+            "reached": {str(k): ok for k, (_, ok) in times.items()},
+            "final_loss": {str(k): round(r.final, 4) for k, r in runs.items()},
+            "mean_staleness": {str(k): round(r.mean_staleness, 3) for k, r in runs.items()},
+            "auto_rounds_by_quorum": runs["auto"].rounds,
+        }
+    result = {
+        "name": "adaptive",
+        "ratio": round(max(ratios), 3),
+        "target": 1.03,
+        "unit": "auto quorum's time to target / best static quorum's (worst setting)",
+        "auto_k_vs_best_static": round(max(ratios), 3),
+        "auto_k_best_gain": round(max(gains), 3),
+        "auto_h_staleness_ratio": None,
+        "auto_h_loss_ratio": None,
+        "steps_per_learner": args.steps,
+        "scenarios": scenarios,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
