@@ -319,11 +319,13 @@ class RawServer:
         assert self.process.stdout is not None
         self.port = int(self.process.stdout.readline())
 
-    def roundtrip(self, payload: memoryview, into: memoryview) -> float:
-        """Send `payload` up and receive it back into `into`; returns seconds."""
+    def roundtrip(self, payload: memoryview, into: memoryview,
+                  via: tuple[str, int] | None = None) -> float:
+        """Send `payload` up and receive it back into `into` (through `via`, a proxy in
+        front of this server, when given); returns seconds."""
         size = payload.nbytes
         started = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", self.port)) as conn:
+        with socket.create_connection(via or ("127.0.0.1", self.port)) as conn:
             conn.sendall(size.to_bytes(8, "little"))
             conn.sendall(payload)
             got = 0

@@ -25,6 +25,11 @@ pushing in a codec, and as fp32 otherwise, which bounds the speedup at 8/5 for i
 exchanges in a row (a delta is against the reference the previous pull of that codec
 left) and the best of each counts.
 
+As a same-run reference, a plain TCP socket moves the fp32 bytes up and back through a
+second proxy process set to the same link (`bench.transfer`'s raw server: receive all,
+then send all back): what the link, the proxy and this machine allow with no RPC, codec
+or merge; **ratio_vs_raw** = that time / the fp32 exchange's.
+
 Run from the repository root: `python -m bench.wan [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
@@ -48,6 +53,7 @@ from bench.transfer import (
     CODEC_NAMES,
     MB,
     Floats,
+    RawServer,
     base_parser,
     emit,
     fragment_sizes,
@@ -167,6 +173,24 @@ async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: F
         await client.close()
 
 
+def raw_through_link(delta: Floats, link: LinkSpec, repeats: int) -> list[float]:
+    """Seconds for a plain socket to move `delta` up and back through the same link."""
+    server = RawServer()
+    proxy = ProxyProcess(f"127.0.0.1:{server.port}", link, [])
+    try:
+        proxy.start()
+        host, port = proxy.address.rsplit(":", 1)
+        sink = np.empty_like(delta)
+        runs = [server.roundtrip(delta.data.cast("B"), sink.data.cast("B"), (host, int(port)))
+                for _ in range(repeats)]
+        if not np.array_equal(delta[-1024:], sink[-1024:]):
+            raise RuntimeError("the raw echo through the link corrupted the payload")
+        return runs
+    finally:
+        proxy.stop()
+        server.close()
+
+
 def cpu_model() -> str:
     with open("/proc/cpuinfo") as info:
         for line in info:
@@ -199,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     theta, delta = make_model(args.params)
     deltas = split(delta, sizes)
     payload = {name: payload_bytes(deltas, name, args.chunk_bytes) for name in CODEC_NAMES}
+    log("reference: a plain socket, the fp32 bytes up and back through the same link")
+    raw_runs = raw_through_link(delta, link, args.rounds)
+    log(f"  {min(raw_runs):.2f} s (runs {', '.join(f'{r:.2f}' for r in raw_runs)})")
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-wan-") as tmp:
         daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
                                     args=["--set", "fsync=false"]).start()
@@ -240,6 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         "ratio": codecs["fp32"]["of_bound"],
         "target": 0.85,
         "unit": "fp32 push+pull link-rate bound / measured time",
+        "ratio_vs_raw": min(raw_runs) / codecs["fp32"]["seconds"],
+        "raw_s": round(min(raw_runs), 4),
+        "raw_runs_s": [round(r, 3) for r in raw_runs],
+        "raw_of_bound": (2 * payload["fp32"] / rate + 2 * link.latency_ms / 1000)
+        / min(raw_runs),
         "int8_speedup": codecs["int8"]["speedup_vs_fp32"],
         "int8_target": 3.0,
         "e3m0_speedup": codecs["e3m0"]["speedup_vs_fp32"],
