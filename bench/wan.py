@@ -19,11 +19,11 @@ inside the timed window. The link-rate bound of an exchange is what the link alo
 pull and its answer), with the tensor bytes the codec puts in its chunks (framing is ours
 to pay). **ratio** = fp32 bound / fp32 exchange time (target ≥ 0.85). **int8_speedup** and
 **e3m0_speedup** = fp32 exchange time / that codec's (targets ≥ 3 and ≥ 5): pushes travel
-in the codec; pulls too where the coordinator serves compressed deltas to a learner
-pushing in a codec, and as fp32 otherwise, which bounds the speedup at 8/5 for int8
-(`pull_compressed` says which, from the bytes the link carried down). Each codec runs its
-exchanges in a row (a delta is against the reference the previous pull of that codec
-left) and the best of each counts.
+in the codec, and so do pulls, as deltas against the coordinator's reference of that codec
+(`pull_compressed` says whether they did, from the bytes the link carried down; as fp32
+the speedup could not pass 8/5 for int8). Each codec's learner joins afresh under the
+same id and runs its exchanges in a row: its first pull, holding no reference of the
+codec yet, is the full fp32 version, the later ones deltas; the best of each counts.
 
 As a same-run reference, a plain TCP socket moves the fp32 bytes up and back through a
 second proxy process set to the same link (`bench.transfer`'s raw server: receive all,
@@ -139,26 +139,38 @@ async def exchange(client: SynchronizerClient, deltas: list[Floats], version: in
             "wire_up": up1 - up0, "wire_down": down1 - down0}
 
 
-async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: Floats,
-                   delta: Floats, chunk_bytes: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    client = SynchronizerClient(address, "bench-wan", LAYOUT_HASH, sizes,
+def make_client(address: str, sizes: list[int], codec: str,
+                chunk_bytes: int) -> SynchronizerClient:
+    """The benchmark's learner, pushing (and pulling deltas) in `codec`."""
+    client = SynchronizerClient(address, "bench-wan", LAYOUT_HASH, sizes, codec=codec,
                                 retry=Retry(give_up_after_s=120.0))
     client.chunk_bytes = chunk_bytes
-    try:
-        await client.join()
-        log("warm-up: initial values pushed and pulled back over the link")
-        thetas, deltas = split(theta, sizes), split(delta, sizes)
-        for p, values in enumerate(thetas):
-            await client.push_initial(p, values)
-        for p in range(len(sizes)):
-            pulled = await client.pull(p, -1, PULL_WAIT_S)
-            if pulled is None or not np.array_equal(pulled.values[:4096], thetas[p][:4096]):
-                raise RuntimeError(f"fragment {p}: version 0 pulled back differs from the "
-                                   f"initial value pushed")
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CODEC_NAMES}
-        version = 0
-        for name in CODEC_NAMES:
-            client.codec = codec_named(name)
+    return client
+
+
+async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: Floats,
+                   delta: Floats, chunk_bytes: int,
+                   rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """The warm-up, then `rounds` exchanges per codec, each codec's learner joining
+    afresh under the same id (its pulls start from no reference of that codec)."""
+    thetas, deltas = split(theta, sizes), split(delta, sizes)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CODEC_NAMES}
+    version = 0
+    for name in ("init", *CODEC_NAMES):
+        client = make_client(address, sizes, "fp32" if name == "init" else name, chunk_bytes)
+        try:
+            await client.join()
+            if name == "init":
+                log("warm-up: initial values pushed and pulled back over the link")
+                for p, values in enumerate(thetas):
+                    await client.push_initial(p, values)
+                for p in range(len(sizes)):
+                    pulled = await client.pull(p, -1, PULL_WAIT_S)
+                    if pulled is None or not np.array_equal(pulled.values[:4096],
+                                                            thetas[p][:4096]):
+                        raise RuntimeError(f"fragment {p}: version 0 pulled back differs "
+                                           f"from the initial value pushed")
+                continue
             for _ in range(rounds):
                 result = await exchange(client, deltas, version, proxy)
                 version += 1
@@ -166,11 +178,12 @@ async def run_link(address: str, proxy: ProxyProcess, sizes: list[int], theta: F
                 log(f"  {name:>5}: {result['seconds']:.2f} s (push {result['push_s']:.2f} s, "
                     f"pull {result['pull_s']:.2f} s; {result['wire_up'] / MB:.0f} MB up, "
                     f"{result['wire_down'] / MB:.0f} MB down on the link)")
-        return runs
-    finally:
-        if client.may_be_member:
-            await client.leave("benchmark done")
-        await client.close()
+        finally:
+            if client.may_be_member:
+                await client.leave("benchmark done" if name == CODEC_NAMES[-1]
+                                   else "next codec")
+            await client.close()
+    return runs
 
 
 def raw_through_link(delta: Floats, link: LinkSpec, repeats: int) -> list[float]:
