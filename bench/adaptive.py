@@ -13,7 +13,9 @@ and Nesterov 0.9, scaled per round), in three settings:
   gradients;
 - **quiet**: four equal learners with large batches (`--batch 128`): little noise.
 
-The token budget is a total: once the steps summed over the four learners reach
+Every learner is held (SIGSTOP) once it has joined and caught up, and all start
+training together. The token budget is a total: once the steps summed over the four
+learners reach
 4 × `--steps`, every learner still running is sent SIGTERM. Each learner evaluates the
 held-out split every `--eval-every` steps; the run's held-out loss at a time is the mean
 of the learners' latest evaluations. Per setting, the target is the best static run's
@@ -92,18 +94,30 @@ class Run:
 
 
 class Followed:
-    """Reads learners' progress lines: steps summed, latest eval per learner."""
+    """Reads learners' progress lines: steps summed, latest eval per learner.
+
+    A learner is stopped (SIGSTOP) as soon as it says it is about to train (its
+    "held-out loss" line, after join and catch-up), and all are continued together
+    (`go`): on a loaded machine their start-ups differ by tens of seconds, and a
+    learner that started first would spend the budget alone."""
 
     def __init__(self, count: int) -> None:
         self.steps = [0] * count
         self.evals: list[float | None] = [None] * count
+        self.ready = [threading.Event() for _ in range(count)]
         self.curve: list[tuple[float, float]] = []
         self.started: float | None = None
         self.lock = threading.Lock()
 
-    def follow(self, index: int, stream: IO[str]) -> threading.Thread:
+    def follow(self, index: int, process: subprocess.Popen[str]) -> threading.Thread:
+        stream: IO[str] | None = process.stdout
+        assert stream is not None
+
         def read() -> None:
             for line in stream:
+                if not self.ready[index].is_set() and "held-out loss" in line:
+                    process.send_signal(signal.SIGSTOP)
+                    self.ready[index].set()
                 match = PROGRESS.match(line)
                 if match:
                     self.saw(index, int(match.group(1)), float(match.group(2)))
@@ -111,11 +125,22 @@ class Followed:
         thread.start()
         return thread
 
+    def go(self, processes: list[subprocess.Popen[str]], timeout: float) -> None:
+        """Wait for every learner to be ready, then continue them all at once."""
+        deadline = time.monotonic() + timeout
+        for event in self.ready:
+            if not event.wait(max(deadline - time.monotonic(), 0.0)):
+                raise RuntimeError("a learner did not get ready to train in time")
+        with self.lock:
+            self.started = time.monotonic()
+        for process in processes:
+            process.send_signal(signal.SIGCONT)
+
     def saw(self, index: int, step: int, loss: float) -> None:
         now = time.monotonic()
         with self.lock:
             if self.started is None:
-                self.started = now
+                return
             self.steps[index] = step
             self.evals[index] = loss
             known = [e for e in self.evals if e is not None]
@@ -145,11 +170,12 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                      "--progress-every", str(args.eval_every),
                      "--eval-every", str(args.eval_every)],
                     stdout=subprocess.PIPE, stderr=stderr, text=True)
-                assert process.stdout is not None
-                followed.follow(i, process.stdout)
+                followed.follow(i, process)
                 processes.append(process)
-                if slowdown > 1:
-                    cycles.append(DutyCycle(process.pid, 0.1, slowdown).start())
+            followed.go(processes, RUN_TIMEOUT_S)
+            cycles += [DutyCycle(p.pid, 0.1, slowdown).start()
+                       for p, slowdown in zip(processes, setting.slowdowns, strict=True)
+                       if slowdown > 1]
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while sum(followed.steps) < args.steps * LEARNERS:
                 if time.monotonic() > deadline or all(p.poll() is not None for p in processes):
@@ -161,6 +187,7 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                 cycle.stop()
             for process in processes:
                 if process.poll() is None:
+                    process.send_signal(signal.SIGCONT)  # a stopped process cannot exit
                     process.send_signal(signal.SIGTERM)
             for process in processes:
                 try:
