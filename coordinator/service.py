@@ -183,6 +183,9 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                                                  (metadata.BULK_PORT, str(port))))
 
         async def push() -> pb.PushResponse:
+            if header.bulk and self.engine.bulk is None:
+                # No bulk port here: port 0 tells the learner to send the chunks on the call.
+                await context.send_initial_metadata(((metadata.BULK_PORT, "0"),))
             result = await self.engine.push(header, request_iterator,
                                             announce if header.bulk else None)
             return pb.PushResponse(seq=result.seq, target_version=result.target_version,

@@ -475,8 +475,8 @@ class SynchronizerClient:
         address = self.address
         bulk = self.bulk and address not in self._no_bulk
         header.bulk = bulk
-        # "grpc" once the chunks are to follow the header on the call, "bulk" once
-        # they went on the bulk channel (the call's stream then ends).
+        # "grpc" once the chunks are to follow the header on the call; "bulk" once
+        # they went on the bulk channel, or the call was refused: nothing more to send.
         took: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if not bulk:
             took.set_result("grpc")
@@ -496,7 +496,7 @@ class SynchronizerClient:
                 took.set_result(await self._push_bulk(call, address, values, codec))
         finally:
             if not took.done():
-                took.set_result("bulk")  # nothing more goes on the call
+                took.set_result("bulk")
         response: pb.PushResponse = await call
         self._check_epoch(response.epoch)
         return response
@@ -508,8 +508,10 @@ class SynchronizerClient:
         and the call's status says why."""
         initial = {key: value for key, value in await call.initial_metadata() or ()}
         ticket, port = initial.get(metadata.BULK_TICKET), initial.get(metadata.BULK_PORT)
+        if port == "0":
+            return "grpc"  # a coordinator without a bulk port: the chunks go on the call
         if not ticket or not port:
-            return "grpc"
+            return "bulk"  # refused before any ticket: the call's status says why
         try:
             await asyncio.to_thread(self._bulk.push, _host(address), int(port),
                                     bytes.fromhex(ticket), values, codec)
