@@ -279,7 +279,10 @@ def supervise(argv: list[str], parse: Callable[[list[str]], argparse.Namespace])
     if "--spare" in flags:
         parser.error("the learner's flags must not include --spare: supervise starts the "
                      "spares")
-    slot = parse(flags)  # a bad flag stops here, before any process starts
+    try:
+        slot = parse(flags)  # a bad flag stops here, before any process starts
+    except HandoverRefused as exc:
+        parser.error(f"the learner's flags: {exc}")
     supervisor = Supervisor(flags, slot.steps, options.spares, options.max_takeovers)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, supervisor.stop)
