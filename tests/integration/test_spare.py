@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from learner.spare import Spare
 from tests.daemon import Daemon, wait_until
 from tests.integration.test_chaos_faults import experiment_text, run
@@ -134,6 +136,7 @@ def test_supervise_hands_a_killed_learners_slot_to_its_spare(tmp_path: Path) -> 
         daemon.stop()
 
 
+@pytest.mark.slow  # a whole experiment, as the other fault kinds' runs
 def test_harness_hands_a_killed_learners_slot_to_a_warm_spare(tmp_path: Path) -> None:
     text = experiment_text("kill_learner").replace("peers = true", "peers = true\nspares = 1")
     events, summary = run(tmp_path, "spare", text)
