@@ -13,12 +13,12 @@ s; learner 2 at a third of its speed (it sleeps twice each step's compute).
 
 Goodput is computed the same way for both: useful inner steps over the steps
 one learner of the same model computes in the same time with no
-synchronization at all, measured in this run (three such learners side by side,
-as the systems run three). A step is useful when its work reached the global
-model: torchft, the H steps before a sync whose commit advanced the replica's
-step by one (a healing replica's jump counts nothing); ftsync, `c_steps / P` of
-every contribution in a commit manifest. Allocated: each slot from its first
-step to the end of the run, its time down included.
+synchronization at all, measured in this run right before each scenario (three
+such learners side by side, as the systems run three). A step is useful when its
+work reached the global model: torchft, the H steps before a sync whose commit
+advanced the replica's step by one (a healing replica's jump counts nothing);
+ftsync, `c_steps / P` of every contribution in a commit manifest. Allocated:
+each slot from its first step to the end of the run, its time down included.
 
 Printed: each system's per-learner step rate against its own no-fault run, the
 survivors' longest stall within 10 s of the kill, the restarted learner's time
@@ -348,15 +348,16 @@ def main(argv: list[str] | None = None) -> None:
     if not args.kill_at < args.restart_at < args.duration:
         parser.error("need --kill-at < --restart-at < --duration")
     root = args.out or Path(tempfile.mkdtemp(prefix="ftsync-bench-peers-"))
-    log(f"no synchronization: {LEARNERS} learners side by side for {args.baseline_s:g} s")
-    saved = args.duration
-    args.duration = args.baseline_s
-    base = run_scenario("none", "no_fault", root / "baseline", args)
-    args.duration = saved
-    base_rate = statistics.median(base["rates"].values())
-    log(f"  {base_rate:.1f} steps/s per learner")
     results: dict[str, dict[str, Any]] = {s: {} for s in SYSTEMS}
+    base_rates: dict[str, float] = {}
     for scenario in SCENARIOS:
+        # The baseline right before each scenario, so that a change in the machine's load
+        # reaches it and the two runs it is the yardstick of.
+        log(f"no synchronization: {LEARNERS} learners side by side for {args.baseline_s:g} s")
+        base = run_scenario("none", "no_fault", root / "baseline" / scenario,
+                            argparse.Namespace(**{**vars(args), "duration": args.baseline_s}))
+        base_rates[scenario] = base_rate = float(statistics.median(base["rates"].values()))
+        log(f"  {base_rate:.1f} steps/s per learner")
         for system in SYSTEMS:
             r = run_scenario(system, scenario, root / system / scenario, args)
             allocated = sum(r["allocated_s"].values())
@@ -367,11 +368,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{[round(v, 1) for v in r['rates'].values()]} steps/s, stall "
                 f"{r['survivor_stall_s']}, restart -> first merge "
                 f"{r['first_merge_after_restart_s']}")
-    summary = summarise(results, base_rate)
+    summary = summarise(results, base_rates)
     print(json.dumps(summary), flush=True)
 
 
-def summarise(results: dict[str, dict[str, Any]], base_rate: float) -> dict[str, Any]:
+def summarise(results: dict[str, dict[str, Any]], base_rates: dict[str, float],
+              ) -> dict[str, Any]:
     def others_rate(system: str) -> float:
         own, slow = results[system]["no_fault"]["rates"], results[system]["straggler"]["rates"]
         return float(statistics.mean(slow[i] / own[i] for i in range(LEARNERS - 1) if own[i]))
@@ -392,7 +394,7 @@ def summarise(results: dict[str, dict[str, Any]], base_rate: float) -> dict[str,
         "survivor_stall_s": ours["survivor_stall_s"],
         "goodput_no_fault": ours["goodput"]["no_fault"],
         "goodput_vs_torchft_min": min(ratios.values()),
-        "goodput_ratios": ratios, "targets": TARGETS, "baseline_steps_per_s": base_rate,
+        "goodput_ratios": ratios, "targets": TARGETS, "baseline_steps_per_s": base_rates,
         "ftsync": figures["ftsync"], "torchft": figures["torchft"],
         "runs": results,
     }
