@@ -8,8 +8,10 @@ compressed deltas served so far) and, when version u is published, serves it as
 still in `Θ − R`, so the next delta carries it (error feedback on the server's side) and the
 gap stays one compression step however many versions pass. A learner that holds R_v (it
 says so with the reference's id) adds the same `D` to it with the same fp32 addition and so
-holds R_u bit for bit; any other learner gets R_u itself, in fp32, and can take deltas from
-then on.
+holds R_u bit for bit. A learner that holds an older reference of the chain gets the
+deltas since, in order, while together they are smaller than fp32 (with several learners
+and a quorum of one, versions pass between a learner's pulls); any other learner gets R_u
+itself, in fp32, and can take deltas from then on.
 
 A chain starts from the committed values themselves (no copy: published arrays are never
 written) and advances on the first pull that finds a newer version; versions nobody pulled
@@ -34,13 +36,22 @@ Encoded = tuple[int, int, float, bytes]
 
 
 @dataclass(frozen=True)
+class Step:
+    """One advance of a chain: the reference it went from, and the delta."""
+
+    base_version: int
+    base_reference: int
+    delta: tuple[Encoded, ...]
+
+
+@dataclass(frozen=True)
 class Served:
-    """What one pull gets: the reference's values in fp32, or the delta to add to the
-    reference the learner holds (`delta`, then `values` is None)."""
+    """What one pull gets: the reference's values in fp32, or the deltas to add in
+    order to the reference the learner holds (then `values` is None)."""
 
     reference: int
     values: np.ndarray | None
-    delta: tuple[Encoded, ...] | None
+    deltas: tuple[Step, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,10 +60,8 @@ class _Chain:
     commit_id: int
     reference: int
     values: np.ndarray
-    # The reference the delta goes from (0: none yet), and the delta itself.
-    base_version: int = -1
-    base_reference: int = 0
-    delta: tuple[Encoded, ...] = ()
+    # The latest advances, oldest first: as many as are smaller together than fp32.
+    steps: tuple[Step, ...] = ()
 
 
 class References:
@@ -79,10 +88,10 @@ class References:
             elif chain.version < published.version:
                 chain = self._advance(chain, codec, published)
             self._chains[key] = chain
-        if (chain.base_reference and have_reference == chain.base_reference
-                and have_version == chain.base_version):
-            return Served(chain.reference, None, chain.delta)
-        return Served(chain.reference, chain.values, None)
+        for i, step in enumerate(chain.steps):
+            if have_reference == step.base_reference and have_version == step.base_version:
+                return Served(chain.reference, None, chain.steps[i:])
+        return Served(chain.reference, chain.values)
 
     def _advance(self, chain: _Chain, codec: Codec, published: Published) -> _Chain:
         """The chain at `published`: the compressed change from its reference, and the
@@ -95,9 +104,11 @@ class References:
             data, scale = codec.encode(part)
             codec.decode_into(data, scale, part)  # what the learner will decode
             delta.append((offset, part.size, scale, data))
+        # k deltas cost k·bits per element; beyond 32 bits fp32 is the cheaper answer.
+        kept = max(1, 32 // codec.bits - 1)
+        steps = (*chain.steps, Step(chain.version, chain.reference, tuple(delta)))[-kept:]
         return _Chain(published.version, published.commit_id, new_commit_id(),
-                      add_delta(chain.values, change), chain.version, chain.reference,
-                      tuple(delta))
+                      add_delta(chain.values, change), steps)
 
 
 def _lost(chain: _Chain, published: Published) -> bool:

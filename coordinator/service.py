@@ -274,15 +274,17 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
 
     async def _stream_delta(self, learner_id: str, fragment: int, published: Published,
                             codec: Codec, served: Served) -> AsyncIterator[pb.PullMessage]:
-        """The change to the learner's reference, as the chunks encoded at the chain's
-        advance: on the call, since compressed they are a fraction of the values."""
-        assert served.delta is not None
+        """The changes to the learner's reference, in order, as the chunks encoded at
+        the chain's advances: on the call, since compressed they are a fraction of the
+        values."""
         yield self._pull_header(learner_id, fragment, published, codec=codec.wire,
-                                delta=True, reference=served.reference)
-        for offset, count, scale, data in served.delta:
-            self.engine.count_sent(len(data))
-            yield pb.PullMessage(chunk=pb.Chunk(offset=offset, count=count, scale=scale,
-                                                data=data))
+                                delta=True, deltas=len(served.deltas),
+                                reference=served.reference)
+        for step in served.deltas:
+            for offset, count, scale, data in step.delta:
+                self.engine.count_sent(len(data))
+                yield pb.PullMessage(chunk=pb.Chunk(offset=offset, count=count, scale=scale,
+                                                    data=data))
         self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
 
     async def _send_bulk(self, learner_id: str, fragment: int, published: Published,

@@ -639,10 +639,16 @@ class SynchronizerClient:
             await asyncio.to_thread(self._bulk.pull, host, header.bulk_port, header.ticket,
                                     reader, values)
             reader.refuse_more(await anext(stream, None))
-        else:
+        elif base is None:
             await reader.read_into(lambda: anext(stream, None), values)
-        if base is not None:
-            values = add_delta(base, values)
+        else:
+            # Each delta in turn, added as the coordinator added it.
+            for _ in range(max(1, header.deltas)):
+                reader = ChunkReader(header.numel, f"a delta of fragment {header.fragment}",
+                                     codec)
+                await reader.read_into(lambda: anext(stream, None), values)
+                base = add_delta(base, values)
+            values = base
         if header.reference:
             values.flags.writeable = False
             self.references[header.fragment] = (header.version, header.reference, values)

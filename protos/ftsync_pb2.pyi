@@ -181,7 +181,7 @@ class PullRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_ms: _Optional[int] = ..., bulk: bool = ..., codec: _Optional[_Union[Codec, str]] = ..., have_reference: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id", "ticket", "bulk_port", "codec", "delta", "reference")
+    __slots__ = ("fragment", "version", "numel", "not_modified", "merged_seq", "epoch", "commit_id", "ticket", "bulk_port", "codec", "delta", "deltas", "reference")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class PullHeader(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
@@ -205,8 +206,9 @@ class PullHeader(_message.Message):
     bulk_port: int
     codec: Codec
     delta: bool
+    deltas: int
     reference: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta: bool = ..., reference: _Optional[int] = ...) -> None: ...
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., not_modified: bool = ..., merged_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., ticket: _Optional[bytes] = ..., bulk_port: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., delta: bool = ..., deltas: _Optional[int] = ..., reference: _Optional[int] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")

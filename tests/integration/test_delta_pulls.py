@@ -1,7 +1,8 @@
 """Compressed pulls through a real daemon: a learner pushing with a codec pulls each new
 version as a compressed delta (bytes on the wire: the codec's, not fp32's), and what it
 rebuilds is, bit for bit, the reference another learner gets in fp32; the reference stays
-close to the committed values that fp32 learners pull."""
+close to the committed values that fp32 learners pull. A learner some versions behind gets
+the deltas since, in one answer."""
 
 from __future__ import annotations
 
@@ -64,6 +65,22 @@ def test_delta_pulls_rebuild_the_reference_bit_for_bit(
             # Error feedback: the reference is one compression step from the committed
             # values (the changes here are ~0.01 per element).
             assert float(np.max(np.abs(pulled.values - committed.values))) < 0.01
+        # Two versions pass while the chained learner does not pull; a fresh learner's
+        # pulls move the reference on at each. Then the two deltas come in one answer.
+        for version in (VERSIONS + 1, VERSIONS + 2):
+            step = (0.01 * rng.standard_normal(NUMEL)).astype(np.float32)
+            await plain.push(0, step, base_version=version - 1, c_tokens=100, c_steps=10,
+                             local_step=10 * version)
+            fresh.references.clear()
+            reference = await fresh.pull(0, have_version=version - 1, wait_s=10)
+            assert reference is not None and reference.version == version
+        before = sent(daemon)
+        pulled = await chained.pull(0, have_version=VERSIONS, wait_s=10)
+        assert pulled is not None and pulled.version == VERSIONS + 2
+        assert sent(daemon) - before == 2 * codec_named(codec).encoded_bytes(NUMEL)
+        assert reference is not None
+        np.testing.assert_array_equal(pulled.values.view(np.uint32),
+                                      reference.values.view(np.uint32))
         for c in (chained, fresh, plain):
             await c.close()
 
