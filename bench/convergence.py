@@ -17,9 +17,10 @@ through a real `python -m coordinator` process, in these configurations:
 
 Then (a) and (b) again with learner 3 slowed 3×. With `--wan`, (a) and (b) once more as
 (wa) and (wb) with every learner behind a fault proxy of its own (`chaos.proxy`, in this
-process, carrying every port of the coordinator) set to a cross-region link (`--wan-latency-ms`, default 25 ms one way, and
-`--wan-mbit`, default 100 Mbit/s, each direction): DiLoCo exists for slow long links, and
-on loopback a round trip costs nothing, so lock-step's wait hides inside τ steps.
+process, carrying every port of the coordinator) set to a cross-region link
+(`--wan-latency-ms`, default 25 ms one way, and `--wan-mbit`, default 100 Mbit/s, each
+direction): DiLoCo exists for slow long links, and on loopback a round trip costs
+nothing, so lock-step's wait hides inside τ steps.
 
 Each learner step sleeps `--device-ms` (`ftsync-learner --step-ms`) to stand in for an
 accelerator: four CPU-bound learners on a two-core machine would share the cores, so a
