@@ -128,7 +128,9 @@ class Followed:
     def go(self, processes: list[subprocess.Popen[str]], timeout: float) -> None:
         """Wait for every learner to be ready, then continue them all at once."""
         deadline = time.monotonic() + timeout
-        for event in self.ready:
+        for i, event in enumerate(self.ready):
+            if not event.wait(30):
+                log(f"  learner-{i} is not ready to train after 30 s")
             if not event.wait(max(deadline - time.monotonic(), 0.0)):
                 raise RuntimeError("a learner did not get ready to train in time")
         with self.lock:
@@ -177,9 +179,13 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                        for p, slowdown in zip(processes, setting.slowdowns, strict=True)
                        if slowdown > 1]
             deadline = time.monotonic() + RUN_TIMEOUT_S
+            told = time.monotonic()
             while sum(followed.steps) < args.steps * LEARNERS:
                 if time.monotonic() > deadline or all(p.poll() is not None for p in processes):
                     break
+                if time.monotonic() - told > 10:
+                    told = time.monotonic()
+                    log(f"  steps {followed.steps}")
                 time.sleep(0.05)
             wall = time.monotonic() - (followed.started or time.monotonic())
         finally:

@@ -122,7 +122,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _quorum(text: str) -> int | str:
     """--min-quorum: a count, or "auto" (each round chooses, policy.min_quorum_max caps)."""
-    return text if text == "auto" else int(text)
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a count or auto (got {text!r})") from None
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:

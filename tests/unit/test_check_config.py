@@ -37,3 +37,17 @@ def test_learner_check_config_refuses_an_address_without_a_port() -> None:
     for address in ("coordinator", "c:50051,c2", "etcd://e-0/run", "etcd:///run", "a b:1"):
         code, _, err = run_check(["ftsync-learner", "--coordinator", address])
         assert code == 2, (address, err)
+
+
+def test_coordinator_check_config_takes_a_quorum_that_chooses_itself() -> None:
+    code, out, _ = run_check(["ftsync-coordinator", "--min-quorum", "auto",
+                              "--set", "policy.min_quorum_max=3"])
+    assert code == 0, out
+    assert "policy.min_quorum = 'auto'" in out and "policy.min_quorum_max = 3" in out
+    code, out, err = run_check(["ftsync-coordinator", "--min-quorum", "most"])
+    assert code == 2 and "--min-quorum: must be a count or auto (got 'most')" in err, err
+    assert not out
+    code, out, err = run_check(["ftsync-coordinator", "--set", "policy.min_quorum=most"])
+    assert code == 2 and "policy.min_quorum must be int or one of ['auto']" in err, err
+    code, out, err = run_check(["ftsync-coordinator", "--set", "policy.min_quorum_max=-1"])
+    assert code == 2 and "policy.min_quorum_max must be >= 0" in err, err
