@@ -172,6 +172,11 @@ def spare_takeovers(out: Path, kills: int, timeout_s: float = 300.0) -> dict[str
             time.sleep(0.05)
     finally:
         cluster.stop("benchmark done")
+    return {"kills": kills, **takeover_times(out)}
+
+
+def takeover_times(out: Path) -> dict[str, Any]:
+    """Each kill's takeover from a run's logs in `out` (a cut-short run's too)."""
     events = load_log(sorted(out.glob("*.events.jsonl"))).events
     merged = merged_ids(events)
     takeovers: list[dict[str, Any]] = []
@@ -205,7 +210,7 @@ def spare_takeovers(out: Path, kills: int, timeout_s: float = 300.0) -> dict[str
     counted = np.array([t["takeover_s"] for t in takeovers if t["merged"]], dtype=float)
     warm_ups = [float(m) for path in sorted(out.glob("*.out"))
                 for m in re.findall(r"warmed in ([\d.]+) s", path.read_text())]
-    return {"kills": kills, "timed": len(takeovers), "merged": len(counted),
+    return {"timed": len(takeovers), "merged": len(counted),
             "spare_warm_up_median_s": float(np.median(warm_ups)) if warm_ups else None,
             "p50_s": float(np.percentile(counted, 50)) if len(counted) else float("inf"),
             "p99_s": float(np.percentile(counted, 99)) if len(counted) else float("inf"),
