@@ -483,7 +483,8 @@ class SynchronizerClient:
 
         async def messages() -> AsyncIterator[pb.PushMessage]:
             yield pb.PushMessage(header=header)
-            if await took == "grpc":
+            # Shielded: a cancelled call cancels this generator's task, not the decision.
+            if await asyncio.shield(took) == "grpc":
                 for message in iter_chunk_messages(values, codec, pb.PushMessage,
                                                    chunk_bytes):
                     yield message
@@ -495,7 +496,7 @@ class SynchronizerClient:
             if bulk:
                 took.set_result(await self._push_bulk(call, address, values, codec))
         finally:
-            if not took.done():
+            if not took.done():  # the bulk transfer failed or was cancelled
                 took.set_result("bulk")
         response: pb.PushResponse = await call
         self._check_epoch(response.epoch)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class ApplyRule(enum.Enum):
@@ -46,27 +47,33 @@ class ApplyRule(enum.Enum):
     BOUNDARY = "boundary"
 
 
-class Phase(enum.Enum):
-    """Where a fragment's pull stands."""
+class Phase(enum.IntEnum):
+    """Where a fragment's pull stands (integers: the simulator looks them up
+    millions of times, and an int hashes in C)."""
 
-    IDLE = "idle"            # no pull outstanding
-    ACKING = "acking"        # pushed; its pull starts once the push's target is known
-    OWN = "own"              # pulling the version that holds this learner's push
-    FALLBACK = "fallback"    # the own version was late: pulling the newest instead
-    LOST = "lost"            # the applied version was lost: pulling its replacement
-    READY = "ready"          # a pulled version waits for its apply step
+    IDLE = 0       # no pull outstanding
+    ACKING = 1     # pushed; its pull starts once the push's target is known
+    OWN = 2        # pulling the version that holds this learner's push
+    FALLBACK = 3   # the own version was late: pulling the newest instead
+    LOST = 4       # the applied version was lost: pulling its replacement
+    READY = 5      # a pulled version waits for its apply step
 
 
-class Event(enum.Enum):
-    PUSH = "push"
-    ACKED = "acked"
-    REFUSED = "refused"
-    LATE = "late"
-    LOST = "lost"
-    PULLED = "pulled"
-    EMPTY = "empty"
-    APPLY = "apply"
+class Event(enum.IntEnum):
+    PUSH = 0
+    ACKED = 1
+    REFUSED = 2
+    LATE = 3
+    LOST = 4
+    PULLED = 5
+    EMPTY = 6
+    APPLY = 7
 
+
+# Module constants for the hot paths: an enum member looked up on its class costs
+# several times a global's lookup, and the simulator steps millions of times.
+_IDLE, _ACKING, _OWN, _FALLBACK, _LOST, _READY = Phase
+_PUSH, _ACKED, _REFUSED, _LATE, _LOST_SEEN, _PULLED, _EMPTY, _APPLY = Event
 
 # The whole machine per fragment: (phase, event) -> next phase. A pair that is
 # not here leaves the phase as it is (a push while a pull is outstanding starts
@@ -89,10 +96,11 @@ TRANSITIONS: Mapping[tuple[Phase, Event], Phase] = {
     (Phase.READY, Event.APPLY): Phase.IDLE,
 }
 _PULLING = frozenset({Phase.OWN, Phase.FALLBACK, Phase.LOST})
+# Waiting for its own version: falls back when that is late.
+_LATE_ABLE = frozenset({Phase.ACKING, Phase.OWN})
 
 
-@dataclass(frozen=True, slots=True)
-class Push:
+class Push(NamedTuple):
     """Send fragment p's outer gradient since the last push (or apply), measured
     from version `base`; `ticket` names it in the `acked`/`refused` that answer."""
 
@@ -104,8 +112,7 @@ class Push:
     ticket: int
 
 
-@dataclass(frozen=True, slots=True)
-class Pull:
+class Pull(NamedTuple):
     """Pull fragment p's first version newer than `newer_than`; answer with `pulled`
     carrying `ticket` (a newer Pull of the fragment supersedes this one)."""
 
@@ -114,8 +121,7 @@ class Pull:
     ticket: int
 
 
-@dataclass(frozen=True, slots=True)
-class Apply:
+class Apply(NamedTuple):
     """Write the pulled version of fragment p: `θ ← α·θ + (1−α)·Θ` or, with `carry`,
     `θ ← Θ + (θ − θ_push)`; the new base is Θ. Without `carry` the steps since the
     last push are discarded (the driver restarts its work clock)."""
@@ -126,14 +132,14 @@ class Apply:
     carry: bool
 
 
-@dataclass(frozen=True, slots=True)
-class FallBack:
+class FallBack(NamedTuple):
     """Fragment p's own version is late: the pull under way is cancelled (a Pull of
     the newest version follows)."""
 
     p: int
 
 
+# Named tuples, not frozen dataclasses: the simulator makes hundreds of thousands.
 Action = Push | Pull | Apply | FallBack
 
 
@@ -185,13 +191,17 @@ class ScheduleConfig:
 
 
 class _Fragment:
-    __slots__ = ("apply_at", "base", "commit", "fell_back", "phase", "published",
-                 "ready", "steps", "ticket", "tokens", "want")
+    __slots__ = ("apply_at", "base", "commit", "due", "fell_back", "phase", "published",
+                 "ready", "step_mark", "ticket", "token_mark", "want")
 
-    def __init__(self, base: int, commit: int) -> None:
-        self.phase = Phase.IDLE
+    def __init__(self, base: int, commit: int, due: int) -> None:
+        self.phase = _IDLE
         self.base, self.commit = base, commit
-        self.tokens = self.steps = 0
+        # The next step at which the fragment is due.
+        self.due = due
+        # The learner's step and token totals when its work was last pushed or
+        # discarded: what it holds is the difference.
+        self.step_mark = self.token_mark = 0
         self.apply_at = 0
         # The outstanding push or pull's ticket; answers with another are stale.
         self.ticket = 0
@@ -203,14 +213,24 @@ class _Fragment:
 
 
 class Schedule:
-    """One learner's schedule over all its fragments, from `start` on."""
+    """One learner's schedule over all its fragments, from `start` on. Cheap per
+    step (the simulator runs millions): each fragment knows its next due step."""
 
     def __init__(self, config: ScheduleConfig) -> None:
         self.config = config
+        self._boundary = config.rule == ApplyRule.BOUNDARY
+        self._carry = config.rule == ApplyRule.CARRY
         self.offsets = offsets(config.sync_every, config.fragments)
         self.step_count = 0
         self.fragments: list[_Fragment] = []
+        self._tokens = 0
         self._tickets = 0
+        # The first step at which some fragment is due.
+        self._due = 0
+        # Whether `published` was ever told a commit: only then can a version be lost.
+        self._reported = False
+        # `next_step`, until an event changes the state it is computed from.
+        self._next: int | None = None
 
     # -- events ------------------------------------------------------------------------
 
@@ -221,15 +241,19 @@ class Schedule:
         if sorted(versions) != list(range(self.config.fragments)):
             raise ValueError(f"start needs a version for each of the {self.config.fragments} "
                              f"fragments, got {sorted(versions)}")
+        if step is None:
+            step = (lockstep_resume_step(versions, self.config.sync_every)
+                    if self.config.lockstep else 0)
         commits = commits or {}
-        self.fragments = [_Fragment(versions[p], commits.get(p, 0))
-                          for p in range(self.config.fragments)]
-        if step is not None:
-            self.step_count = step
-        elif self.config.lockstep:
-            self.step_count = lockstep_resume_step(versions, self.config.sync_every)
-        else:
-            self.step_count = 0
+        h = self.config.sync_every
+        self.step_count = step
+        self.fragments = [_Fragment(versions[p], commits.get(p, 0),
+                                    t + h * max(1, (step - t) // h + 1))
+                          for p, t in enumerate(self.offsets)]
+        for f in self.fragments:
+            f.step_mark = step
+        self._due = min(f.due for f in self.fragments)
+        self._next = None
 
     def step(self, k: int, tokens: int) -> list[Action]:
         """Local step k is done (k may skip steps at which, per `next_step`, nothing
@@ -238,30 +262,39 @@ class Schedule:
             raise RuntimeError("step() before start(): the schedule has no base versions")
         if k <= self.step_count:
             raise ValueError(f"step {k} is not after step {self.step_count}")
-        steps = k - self.step_count
         self.step_count = k
+        self._tokens += tokens
+        self._next = None
         config = self.config
         actions: list[Action] = []
-        for f in self.fragments:
-            f.tokens += tokens
-            f.steps += steps
-        boundary = config.rule == ApplyRule.BOUNDARY
+        boundary = self._boundary
         for p, f in enumerate(self.fragments):
-            if f.phase == Phase.READY and k >= f.apply_at and not (boundary and self._due(p, k)):
-                self._apply(p, f, actions)
-            elif (f.phase in (Phase.ACKING, Phase.OWN) and not config.lockstep
-                  and not f.fell_back and k >= f.apply_at + config.overlap):
+            phase = f.phase
+            if phase == _IDLE:
+                continue
+            if phase == _READY:
+                if k >= f.apply_at and not (boundary and k == f.due):
+                    self._apply(p, f, actions)
+            elif (phase in _LATE_ABLE and not config.lockstep and not f.fell_back
+                  and k >= f.apply_at + config.overlap):
                 self._fall_back(p, f, actions)
-        for p, f in enumerate(self.fragments):
-            if self._due(p, k):
-                ready = f.phase == Phase.READY
+        if k >= self._due:
+            h = config.sync_every
+            for p, f in enumerate(self.fragments):
+                if f.due < k:  # a driver skipped past it: due again a period later
+                    f.due += h * ((k - f.due + h - 1) // h)
+                if f.due != k:
+                    continue
+                f.due += h
+                ready = f.phase == _READY
                 push = self._push(p, f, k, actions)
                 if boundary and ready:
                     # Sent first, the progress since the last push is kept.
                     self._apply(p, f, actions)
                     self._awaits(f, push, k)
+            self._due = min(f.due for f in self.fragments)
         # After the pushes: a fragment pushed just now has its own pull under way.
-        if not config.lockstep:
+        if self._reported and not config.lockstep:
             for p, f in enumerate(self.fragments):
                 self._check_history(p, f, k, actions)
         return actions
@@ -270,7 +303,7 @@ class Schedule:
         """Pushes of the work not yet pushed (closing: nothing more is pulled)."""
         actions: list[Action] = []
         for p, f in enumerate(self.fragments):
-            if f.steps > 0:
+            if self.step_count > f.step_mark:
                 actions.append(self._push_action(p, f, self.step_count))
         return actions
 
@@ -278,9 +311,10 @@ class Schedule:
         """The push `ticket` will be merged into `target_version` (None: it was
         not acknowledged, e.g. dropped from the backlog or unsent)."""
         f = self._fragment(p)
-        if ticket != f.ticket or f.phase != Phase.ACKING:
+        if ticket != f.ticket or f.phase != _ACKING:
             return []
-        f.phase = TRANSITIONS[(f.phase, Event.ACKED)]
+        f.phase = TRANSITIONS[(f.phase, _ACKED)]
+        self._next = None
         # The first version that holds the push: an earlier one (another learner's
         # round) lacks the progress just pushed. In lock-step, any next version: a
         # push that missed its round waits for the next one, which needs the
@@ -293,9 +327,10 @@ class Schedule:
         """The push `ticket` was refused (`reason`): its progress is gone; the
         learner catches up on the newest version."""
         f = self._fragment(p)
-        if ticket != f.ticket or f.phase != Phase.ACKING:
+        if ticket != f.ticket or f.phase != _ACKING:
             return []
-        f.phase = TRANSITIONS[(f.phase, Event.REFUSED)]
+        f.phase = TRANSITIONS[(f.phase, _REFUSED)]
+        self._next = None
         return [self._pull(p, f)]
 
     def pulled(self, p: int, version: int | None, commit_id: int, ticket: int,
@@ -306,16 +341,18 @@ class Schedule:
         f = self._fragment(p)
         if ticket != f.ticket or f.phase not in _PULLING:
             return False
+        self._next = None
         if version is None:
-            f.phase = TRANSITIONS[(f.phase, Event.EMPTY)]
+            f.phase = TRANSITIONS[(f.phase, _EMPTY)]
             return False
-        f.phase = TRANSITIONS[(f.phase, Event.PULLED)]
+        f.phase = TRANSITIONS[(f.phase, _PULLED)]
         f.ready = (version, commit_id, rewound)
         return True
 
     def published(self, p: int, version: int, commit_id: int) -> None:
         """The coordinator publishes `version` of p under `commit_id` (heartbeats)."""
         self._fragment(p).published = (version, commit_id)
+        self._reported = self._reported or commit_id != 0
 
     # -- queries -----------------------------------------------------------------------
 
@@ -329,33 +366,43 @@ class Schedule:
     def versions(self) -> dict[int, int]:
         return {p: f.base for p, f in enumerate(self.fragments)}
 
+    def held(self, p: int) -> tuple[int, int]:
+        """The steps and tokens of fragment p's work not yet pushed (nor discarded)."""
+        f = self._fragment(p)
+        return self.step_count - f.step_mark, self._tokens - f.token_mark
+
     def waits_at(self, k: int) -> list[int]:
         """Lock-step: the fragments whose pull result `step(k)` needs first (the
         driver blocks until it has fed them in)."""
         if not self.config.lockstep:
             return []
         return [p for p, f in enumerate(self.fragments)
-                if f.phase in (Phase.ACKING, Phase.OWN) and k >= f.apply_at]
+                if f.phase in _LATE_ABLE and k >= f.apply_at]
 
     def next_step(self) -> int:
         """The first step after the current one at which `step` may act: a due
         fragment, a ready apply, a fall-back. Drivers that skip steps (the
         simulator) call `step` there; a pull result can bring it earlier."""
-        k, h = self.step_count, self.config.sync_every
-        due = min(t + h * max(1, (k - t) // h + 1) for t in self.offsets)
+        if self._next is not None:
+            return self._next
+        k, soonest = self.step_count, self._due
+        late = not self.config.lockstep
         for f in self.fragments:
-            if f.phase == Phase.READY:
-                due = min(due, max(f.apply_at, k + 1))
-            elif (f.phase in (Phase.ACKING, Phase.OWN) and not self.config.lockstep
-                  and not f.fell_back):
-                due = min(due, max(f.apply_at + self.config.overlap, k + 1))
-        return due
+            phase = f.phase
+            if phase == _IDLE:
+                continue
+            if phase == _READY:
+                at = f.apply_at
+            elif late and phase in _LATE_ABLE and not f.fell_back:
+                at = f.apply_at + self.config.overlap
+            else:
+                continue
+            if at < soonest:
+                soonest = at if at > k else k + 1
+        self._next = soonest
+        return soonest
 
     # -- the rules ---------------------------------------------------------------------
-
-    def _due(self, p: int, k: int) -> bool:
-        t = self.offsets[p]
-        return k > t and (k - t) % self.config.sync_every == 0
 
     def _fragment(self, p: int) -> _Fragment:
         if not 0 <= p < len(self.fragments):
@@ -364,8 +411,8 @@ class Schedule:
 
     def _push_action(self, p: int, f: _Fragment, k: int) -> Push:
         self._tickets += 1
-        push = Push(p, f.base, f.tokens, f.steps, k, self._tickets)
-        f.tokens = f.steps = 0
+        push = Push(p, f.base, self._tokens - f.token_mark, k - f.step_mark, k, self._tickets)
+        f.step_mark, f.token_mark = k, self._tokens
         return push
 
     def _push(self, p: int, f: _Fragment, k: int, actions: list[Action]) -> Push:
@@ -377,14 +424,13 @@ class Schedule:
     def _awaits(self, f: _Fragment, push: Push, k: int) -> None:
         """A push starts a pull of the version that merges it, unless one is
         outstanding."""
-        phase = TRANSITIONS.get((f.phase, Event.PUSH), f.phase)
-        if phase != Phase.ACKING or f.phase == Phase.ACKING:
+        phase = TRANSITIONS.get((f.phase, _PUSH), f.phase)
+        if phase != _ACKING or f.phase == _ACKING:
             return
         f.phase = phase
         f.ticket = push.ticket
         f.want, f.fell_back = f.base, False
-        gap = (self.config.sync_every if self.config.rule == ApplyRule.BOUNDARY
-               else self.config.overlap)
+        gap = self.config.sync_every if self._boundary else self.config.overlap
         f.apply_at = k + gap
 
     def _pull(self, p: int, f: _Fragment) -> Pull:
@@ -393,7 +439,7 @@ class Schedule:
         return Pull(p, f.want, f.ticket)
 
     def _fall_back(self, p: int, f: _Fragment, actions: list[Action]) -> None:
-        f.phase = TRANSITIONS[(f.phase, Event.LATE)]
+        f.phase = TRANSITIONS[(f.phase, _LATE)]
         f.fell_back = True
         f.want = f.base
         actions.append(FallBack(p))
@@ -402,16 +448,16 @@ class Schedule:
     def _apply(self, p: int, f: _Fragment, actions: list[Action]) -> None:
         assert f.ready is not None
         version, commit, rewound = f.ready
-        f.phase = TRANSITIONS[(f.phase, Event.APPLY)]
+        f.phase = TRANSITIONS[(f.phase, _APPLY)]
         f.ready = None
         if not (version > f.base or rewound
                 or (version == f.base and commit not in (0, f.commit))):
             return  # nothing newer than what the fragment holds
-        carry = self.config.rule == ApplyRule.CARRY
+        carry = self._carry
         actions.append(Apply(p, version, self.config.alpha, carry))
         f.base, f.commit = version, commit
         if not carry:
-            f.tokens = f.steps = 0
+            f.step_mark, f.token_mark = self.step_count, self._tokens
 
     def _check_history(self, p: int, f: _Fragment, k: int, actions: list[Action]) -> None:
         """The coordinator reports this fragment's version under another commit: it
@@ -421,9 +467,9 @@ class Schedule:
         just before a due push, it would leave that push empty, and the round that
         needs it waiting; there every round's pull brings the new history anyway."""
         version, commit = f.published
-        if (f.phase != Phase.IDLE or version != f.base
+        if (f.phase != _IDLE or version != f.base
                 or 0 in (commit, f.commit) or commit == f.commit):
             return
-        f.phase = TRANSITIONS[(f.phase, Event.LOST)]
+        f.phase = TRANSITIONS[(f.phase, _LOST_SEEN)]
         f.apply_at, f.fell_back, f.want = k + 1, True, version - 1
         actions.append(self._pull(p, f))

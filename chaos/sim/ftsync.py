@@ -10,10 +10,11 @@ data-parallel baselines (`chaos.sim.baselines`) share its failure model:
   policy core (`coordinator.policy.Policy`), fed the same calls in the same
   order as the daemon's engine feeds it, under a simulated clock. A failed
   learner restarts (start-up, join, catch-up); an elastic one drops the chip,
-  re-forms, and takes the chip back when it is repaired. The learner side
-  mirrors `learner.streaming.FragmentSync`: a pull per push for the version
-  that merges it, applied τ steps later (or once it has come), which
-  overwrites (and so loses) the work since the push.
+  re-forms, and takes the chip back when it is repaired. When a learner
+  pushes, pulls and applies is decided by the production schedule
+  (`learner.schedule.Schedule`), as in `learner.streaming.FragmentSync`: the
+  simulator calls its `step` only at the steps where it may act
+  (`next_step`), and an apply that overwrites loses the work since the push.
 - **dp**: one synchronous data-parallel job on every chip; any failure stops
   it until it is restarted.
 - **elastic-dp**: one job that drops a failed chip and re-forms without it.
@@ -53,14 +54,13 @@ from chaos.sim.results import Result
 from chaos.sim.scenario import Scenario
 from coordinator.errors import Reason, Rejected
 from coordinator.policy import Admission, ContributionId, Offer, Policy
-from learner.schedule import offsets
+from learner.schedule import Apply, Pull, Push, Schedule, ScheduleConfig
 
 # A kill of the replayed timeline: (time, learner index).
 Kill = tuple[float, int]
 
-# Order of events at equal times: a step applies merged fragments before it
-# pushes (as `FragmentSync.step` does); everything else comes after.
-_APPLY, _STEP, _OTHER = 0, 1, 2
+# Order of events at equal times: steps first, everything else after.
+_STEP, _OTHER = 0, 1
 
 # Group states.
 STARTING, CATCHUP, RUNNING, REFORMING, FINISHING, DOWN, DONE = (
@@ -82,26 +82,15 @@ def _uptime(commits: np.ndarray, start: float, end: float, window_s: float) -> f
 
 
 class _Fragment:
-    """A learner's view of one fragment (FragmentSync's `_FragmentState`)."""
+    """What the simulator keeps of a learner's fragment beside its schedule."""
 
-    __slots__ = ("apply_at", "base_version", "deadline", "fell_back", "pending", "ready_t",
-                 "ready_v", "since_step", "since_w", "want")
+    __slots__ = ("pull", "since_w")
 
-    def __init__(self, base_version: int, since_w: float) -> None:
-        self.base_version = base_version
-        # Where the next contribution's work is counted from (chip-seconds, step).
+    def __init__(self, since_w: float) -> None:
+        # Where the next contribution's work is counted from (chip-seconds).
         self.since_w = since_w
-        self.since_step = 0
-        # An outstanding pull: applied at step >= apply_at once it is ready.
-        self.pending = False
-        self.apply_at = 0
-        self.ready_t = -1.0
-        self.ready_v = -1
-        self.deadline = 0.0
-        # The pull waits for a version above this: the one before its push's target,
-        # or (fell_back, τ steps after it was due) the base.
-        self.want = base_version
-        self.fell_back = False
+        # The pull under way (a newer one supersedes it).
+        self.pull: Pull | None = None
 
 
 class _Group:
@@ -142,6 +131,12 @@ class _Group:
         self.w_t = 0.0
         self.w_rate = 0.0
         self.frags: list[_Fragment] = []
+        self.schedule: Schedule | None = None
+        # Steps with an event of clock `planned_clock` in the queue.
+        self.planned: set[int] = set()
+        self.planned_clock = -1
+        # Pull results on their way: (time they arrive, the pull, the version).
+        self.arriving: list[tuple[float, Pull, int]] = []
         self.next_seq = 1
         self.hb_t = -math.inf
         self.first_join: float | None = None
@@ -186,13 +181,14 @@ class FtsyncRun:
         self.P = training.fragments
         self.H = training.sync_every
         self.tau = training.overlap
-        self.offsets = offsets(self.H, self.P)
+        self.config = ScheduleConfig(self.H, self.P, self.tau)
         self.policy = Policy(s.policy, {p: -1 for p in range(self.P)})
         self.hb_period = s.policy.heartbeat_timeout_s / 2
         # Share of a core each busy learner process gets (host.cores > 0 only).
         self.speed = 1.0
         self.published = [-1] * self.P
-        self.waiters: list[list[tuple[_Group, int, float]]] = [[] for _ in range(self.P)]
+        # Pulls waiting for a version: (learner, incarnation, pull, deadline).
+        self.waiters: list[list[tuple[_Group, int, Pull, float]]] = [[] for _ in range(self.P)]
         # Accepted, not yet merged: (learner, fragment, seq) -> (chip-seconds, chip-steps).
         self.accepted: dict[tuple[str, int, int], tuple[float, int]] = {}
         self.joined: dict[int, _Group] = {}
@@ -308,7 +304,10 @@ class FtsyncRun:
             self.initialized = True
         g.set_rate(t, g.active if self.s.training.catchup_is_work else 0.0)
         w = g.work(t)
-        g.frags = [_Fragment(self.published[p], w) for p in range(self.P)]
+        g.frags = [_Fragment(w) for p in range(self.P)]
+        g.schedule = Schedule(self.config)
+        g.schedule.start({p: self.published[p] for p in range(self.P)})
+        g.arriving = []
         self._after(t, g, self.s.failures.catchup_s, self._begin)
 
     def _begin(self, t: float, g: _Group) -> None:
@@ -331,109 +330,103 @@ class FtsyncRun:
         self._reschedule(g)
 
     def _reschedule(self, g: _Group) -> None:
-        """Schedule the next step event and the outstanding applies afresh."""
-        self._next_step(g)
-        for p, f in enumerate(g.frags):
-            if f.pending and f.ready_t >= 0:
-                self._schedule_apply(g, p)
-
-    def _next_step(self, g: _Group) -> None:
-        """Schedule the next step at which a fragment is due (or the last step)."""
-        cur, h = g.local_step, self.H
-        k = min(t_p + h * max(1, (cur - t_p) // h + 1) for t_p in self.offsets)
+        """Plan the next step at which the schedule may act, a pull result on its
+        way may be applied, or the last step comes."""
+        assert g.schedule is not None
+        k = g.schedule.next_step()
+        for ready_t, _, _ in g.arriving:
+            k = min(k, max(g.first_step_from(ready_t), g.schedule.step_count + 1))
         if g.end_step >= 0:
             k = min(k, g.end_step)
-        self.at(g.time_of(k), _STEP, self._step, g, g.clock, k)
+        if g.planned_clock != g.clock:
+            g.planned_clock = g.clock
+            g.planned.clear()
+        if k not in g.planned:  # a pull's result can bring a step before the planned one
+            g.planned.add(k)
+            self.at(g.time_of(k), _STEP, self._step, g, g.clock, k)
 
     def _step(self, t: float, g: _Group, clock: int, k: int) -> None:
         if clock != g.clock:
             return
+        g.planned.discard(k)
+        schedule = g.schedule
+        assert schedule is not None
+        if g.arriving:
+            # Pull results that came by this step are the schedule's now.
+            for item in [a for a in g.arriving if a[0] <= t + 1e-9]:
+                g.arriving.remove(item)
+                schedule.pulled(item[1].p, item[2], 0, item[1].ticket)
+        if k < schedule.next_step() and k != g.end_step:
+            # Planned for a fall-back that its pull's arrival made needless, or for
+            # a result that is not applied yet.
+            self._reschedule(g)
+            return
         g.local_step = k
         self._trained(g, k)
-        h = self.H
-        for p, t_p in enumerate(self.offsets):
-            if k > t_p and (k - t_p) % h == 0:
-                self._push(t, g, p, k, pull=True)
+        self._carry_out(t, g, schedule.step(k, (k - schedule.step_count) * g.active))
         if k == g.end_step:
             self._finish(t, g)
         else:
-            self._next_step(g)
+            self._reschedule(g)
 
-    def _push(self, t: float, g: _Group, p: int, k: int, pull: bool) -> None:
-        f = g.frags[p]
+    def _carry_out(self, t: float, g: _Group, actions: Sequence[Push | Pull | Apply | object],
+                   ) -> None:
+        """The schedule's pushes, pulls and applies, in its order (a fall-back needs
+        nothing here: the pull that follows it supersedes the one under way)."""
+        for action in actions:
+            if isinstance(action, Push):
+                self._push(t, g, action)
+            elif isinstance(action, Pull):
+                self._pull(t, g, action)
+            elif isinstance(action, Apply) and not action.carry:
+                # The merged values overwrite the fragment: work since the push is gone.
+                g.frags[action.p].since_w = g.work(t)
+
+    def _push(self, t: float, g: _Group, push: Push) -> None:
+        f = g.frags[push.p]
         w = g.work(t)
-        work, steps = w - f.since_w, k - f.since_step
-        f.since_w, f.since_step = w, k
-        if pull and f.pending and f.ready_t < 0 and t > f.deadline:
-            f.pending = False  # the pull timed out empty-handed
-        pulls = pull and not f.pending
-        arriving = False
-        if steps > 0 and work > 0:
+        work = w - f.since_w
+        f.since_w = w
+        if push.steps > 0 and work > 0:
             seq = g.next_seq
             g.next_seq += 1
-            offer = Offer(ContributionId(g.lid, p, seq, f.base_version),
-                          c_tokens=steps * g.active, c_steps=steps, local_step=k)
+            offer = Offer(ContributionId(g.lid, push.p, seq, push.base),
+                          c_tokens=push.tokens, c_steps=push.steps, local_step=push.step)
             self.contributions += 1
             try:  # the header: refused before any bytes move
                 self._admit(t, g, offer)
             except Rejected as rejected:
                 self._drop(rejected)
+                self._answered(t, g, push, None, rejected.reason)
             else:
-                arriving = True
                 self.at(t + self.s.training.push_s, _OTHER, self._arrive, g, g.incarnation,
-                        offer, work, pulls)
-        if pulls:
-            f.pending = True
-            f.apply_at = k + self.tau
-            f.ready_t = -1.0
-            f.want = f.base_version
-            f.fell_back = False
-            f.deadline = math.inf  # the pull starts once the push is answered
-            if not arriving:
-                self._await_version(t, g, p)
-            if f.ready_t < 0:  # still waiting
-                self.at(g.time_of(k + 2 * self.tau), _OTHER, self._fall_back, g, g.incarnation,
-                        p)
-
-    def _fall_back(self, t: float, g: _Group, incarnation: int, p: int) -> None:
-        """FragmentSync._fall_back: its own round slow to close, the pull takes the
-        newest version."""
-        f = g.frags[p] if incarnation == g.incarnation else None
-        if f is None or not f.pending or f.ready_t >= 0 or f.fell_back:
-            return
-        f.fell_back = True
-        f.want = f.base_version
-        self._await_version(t, g, p)
-
-    def _await_version(self, t: float, g: _Group, p: int) -> None:
-        f = g.frags[p]
-        if self.published[p] > f.want:
-            f.ready_t = t + self.s.training.pull_s
-            f.ready_v = self.published[p]
-            self._schedule_apply(g, p)
+                        offer, work, push)
         else:
-            f.deadline = t + self.s.training.pull_wait_s
-            self.waiters[p].append((g, g.incarnation, f.deadline))
+            self._answered(t, g, push, None, None)  # nothing sent: not acknowledged
 
-    def _schedule_apply(self, g: _Group, p: int) -> None:
-        if g.state != RUNNING:
-            return  # applied once the clock runs again
-        f = g.frags[p]
-        k = max(f.apply_at, g.first_step_from(f.ready_t), g.local_step + 1)
-        if g.end_step < 0 or k <= g.end_step:
-            self.at(g.time_of(k), _APPLY, self._apply, g, g.clock, p, k)
+    def _answered(self, t: float, g: _Group, push: Push, target: int | None,
+                  refused: Reason | None) -> None:
+        assert g.schedule is not None
+        pulls = (g.schedule.acked(push.p, target, push.ticket) if refused is None
+                 else g.schedule.refused(push.p, refused.value, push.ticket))
+        for pull in pulls:
+            self._pull(t, g, pull)
 
-    def _apply(self, t: float, g: _Group, clock: int, p: int, k: int) -> None:
-        f = g.frags[p]
-        if clock != g.clock or not f.pending or f.ready_t < 0:
-            return
-        f.pending = False
-        f.ready_t = -1.0
-        if f.ready_v > f.base_version:
-            # The merged values overwrite the fragment: work since the push is gone.
-            f.base_version = f.ready_v
-            f.since_w = g.work(t)
-            f.since_step = k
+    def _pull(self, t: float, g: _Group, pull: Pull) -> None:
+        """Long-poll for a version newer than `pull.newer_than`, up to pull_wait_s."""
+        g.frags[pull.p].pull = pull
+        if self.published[pull.p] > pull.newer_than:
+            self._deliver(t, g, pull)
+        else:
+            deadline = t + self.s.training.pull_wait_s
+            self.waiters[pull.p].append((g, g.incarnation, pull, deadline))
+
+    def _deliver(self, t: float, g: _Group, pull: Pull) -> None:
+        """The version comes back pull_s from now; the step that applies it takes it."""
+        g.frags[pull.p].pull = None
+        g.arriving.append((t + self.s.training.pull_s, pull, self.published[pull.p]))
+        if g.state == RUNNING:
+            self._reschedule(g)
 
     def _trained(self, g: _Group, k: int) -> None:
         """The learner reports progress every progress_every steps (uptime's span
@@ -451,8 +444,8 @@ class FtsyncRun:
         self._after(t, g, self.s.training.finish_s, self._flush)
 
     def _flush(self, t: float, g: _Group) -> None:
-        for p in range(self.P):
-            self._push(t, g, p, g.local_step, pull=False)
+        assert g.schedule is not None
+        self._carry_out(t, g, g.schedule.flush())
         g.set_rate(t, 0.0)
         self.at(t + self.s.training.push_s, _OTHER, self._leave, g, g.incarnation)
 
@@ -610,7 +603,7 @@ class FtsyncRun:
                 self._heartbeat(t, g)
 
     def _arrive(self, t: float, g: _Group, incarnation: int, offer: Offer,
-                work: float, pulls: bool) -> None:
+                work: float, push: Push) -> None:
         if incarnation != g.incarnation:
             self.lost_in_flight += 1  # the process died mid-push
             return
@@ -621,15 +614,11 @@ class FtsyncRun:
             self.policy.accept(admission, t)
         except Rejected as rejected:
             self._drop(rejected)
-            if pulls and not g.frags[p].fell_back:
-                self._await_version(t, g, p)
+            self._answered(t, g, push, None, rejected.reason)
             return
         self.accepted[(offer.id.learner_id, p, offer.id.seq)] = (work, offer.c_tokens)
         self._coordinate(t)
-        f = g.frags[p]
-        if pulls and not f.fell_back:
-            f.want = max(f.base_version, admission.target_version - 1)
-            self._await_version(t, g, p)
+        self._answered(t, g, push, admission.target_version, None)
 
     def _admit(self, t: float, g: _Group, offer: Offer) -> Admission:
         try:
@@ -672,16 +661,19 @@ class FtsyncRun:
         self.published[p] = max(self.published[p], version)
         self.commit_times.append(t)
         waiters, self.waiters[p] = self.waiters[p], []
-        for g, incarnation, deadline in waiters:
-            f = g.frags[p] if incarnation == g.incarnation else None
-            if f is None or not f.pending or f.ready_t >= 0 or t > deadline:
+        for g, incarnation, pull, deadline in waiters:
+            if incarnation != g.incarnation or g.frags[pull.p].pull is not pull:
+                continue  # gone or superseded
+            if t > deadline:
+                # Timed out empty-handed (seen here, lazily: no event per pull).
+                g.frags[p].pull = None
+                if g.schedule is not None:
+                    g.schedule.pulled(p, None, 0, pull.ticket)
                 continue
-            if self.published[p] <= f.want:
-                self.waiters[p].append((g, incarnation, deadline))  # not its version yet
+            if self.published[p] <= pull.newer_than:
+                self.waiters[p].append((g, incarnation, pull, deadline))  # not its version yet
                 continue
-            f.ready_t = t + self.s.training.pull_s
-            f.ready_v = self.published[p]
-            self._schedule_apply(g, p)
+            self._deliver(t, g, pull)
 
     # -- the end ---------------------------------------------------------------------------
 

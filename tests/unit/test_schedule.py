@@ -307,7 +307,7 @@ class ScheduleMachine(RuleBasedStateMachine):
     @invariant()
     def every_step_is_pushed_discarded_or_still_held(self) -> None:
         for p in range(self.P):
-            held = self.schedule.fragments[p].steps
+            held, _ = self.schedule.held(p)
             assert self.stepped[p] == self.pushed[p] + self.discarded[p] + held
 
 
@@ -317,7 +317,7 @@ def shape(a: Action) -> tuple[object, ...]:
         return ("push", a.p, a.base, a.steps, a.step)
     if isinstance(a, Pull):
         return ("pull", a.p, a.newer_than)
-    return (type(a).__name__, *(getattr(a, name) for name in a.__slots__))
+    return (type(a).__name__, *a)
 
 
 ScheduleMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
