@@ -39,7 +39,6 @@ Encoded = tuple[int, int, float, bytes]
 class Step:
     """One advance of a chain: the reference it went from, and the delta."""
 
-    base_version: int
     base_reference: int
     delta: tuple[Encoded, ...]
 
@@ -73,10 +72,11 @@ class References:
         self._locks: dict[tuple[int, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def serve(self, fragment: int, codec: Codec, published: Published, have_version: int,
+    def serve(self, fragment: int, codec: Codec, published: Published,
               have_reference: int) -> Served:
         """What a pull of `published` with `codec` gets, the learner holding the reference
-        `have_reference` at `have_version` (0: none). Blocking: run it in a thread."""
+        `have_reference` (0: none; its id names its version too). Blocking: run it in a
+        thread."""
         key = (fragment, codec.name)
         with self._guard:
             lock = self._locks.setdefault(key, threading.Lock())
@@ -89,7 +89,7 @@ class References:
                 chain = self._advance(chain, codec, published)
             self._chains[key] = chain
         for i, step in enumerate(chain.steps):
-            if have_reference == step.base_reference and have_version == step.base_version:
+            if have_reference == step.base_reference:
                 return Served(chain.reference, None, chain.steps[i:])
         return Served(chain.reference, chain.values)
 
@@ -106,7 +106,7 @@ class References:
             delta.append((offset, part.size, scale, data))
         # k deltas cost k·bits per element; beyond 32 bits fp32 is the cheaper answer.
         kept = max(1, 32 // codec.bits - 1)
-        steps = (*chain.steps, Step(chain.version, chain.reference, tuple(delta)))[-kept:]
+        steps = (*chain.steps, Step(chain.reference, tuple(delta)))[-kept:]
         return _Chain(published.version, published.commit_id, new_commit_id(),
                       add_delta(chain.values, change), steps)
 

@@ -221,8 +221,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         values, fields = published.params, {}
         if codec is not _FP32:
             served = await asyncio.to_thread(self.references.serve, request.fragment, codec,
-                                             published, request.have_version,
-                                             request.have_reference)
+                                             published, request.have_reference)
             if served.values is None:
                 async for message in self._stream_delta(request.learner_id, request.fragment,
                                                         published, codec, served):

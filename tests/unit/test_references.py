@@ -50,7 +50,7 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
     references = References(MIN_CHUNK_BYTES)
     rng = np.random.default_rng(7)
     theta = rng.standard_normal(NUMEL).astype(np.float32)
-    first = references.serve(0, codec, published(0, theta.copy()), -1, 0)
+    first = references.serve(0, codec, published(0, theta.copy()), 0)
     assert first.values is not None and not first.deltas
     np.testing.assert_array_equal(first.values, theta)  # a chain starts from the values
     held, reference, delta_bytes = first.values, first.reference, 0
@@ -58,11 +58,11 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
         theta = theta + (0.01 * rng.standard_normal(NUMEL)).astype(np.float32)
         gap = float(np.max(np.abs(theta - held)))
         current = published(version, theta.copy())
-        served = references.serve(0, codec, current, version - 1, reference)
+        served = references.serve(0, codec, current, reference)
         held = rebuilt(codec, held, served)
         delta_bytes += sum(len(data) for step in served.deltas for *_, data in step.delta)
         # A learner holding nothing gets the reference itself: the same bits.
-        fresh = references.serve(0, codec, current, -1, 0)
+        fresh = references.serve(0, codec, current, 0)
         assert fresh.reference == served.reference != reference
         assert fresh.values is not None
         np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
@@ -73,15 +73,18 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
 
 
 @codecs
-def test_a_learner_holding_another_reference_or_version_gets_fp32(codec: Codec) -> None:
+def test_a_learner_holding_another_reference_gets_fp32(codec: Codec) -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = references.serve(3, codec, published(4, theta.copy()), -1, 0)
+    start = references.serve(3, codec, published(4, theta.copy()), 0)
     advanced = published(5, theta * np.float32(1.5))
-    for have_version, have_reference in [(4, 0), (4, start.reference + 1), (3, start.reference)]:
-        served = references.serve(3, codec, advanced, have_version, have_reference)
+    for have_reference in (0, start.reference + 1):
+        served = references.serve(3, codec, advanced, have_reference)
         assert not served.deltas and served.values is not None
-    assert references.serve(3, codec, advanced, 4, start.reference).deltas
+    assert references.serve(3, codec, advanced, start.reference).deltas
+    # The newest reference itself: nothing to add, so the values again.
+    newest = references.serve(3, codec, advanced, 0).reference
+    assert references.serve(3, codec, advanced, newest).values is not None
 
 
 @pytest.mark.parametrize(("codec", "kept"), [(BF16, 1), (INT8, 3), (E3M0, 7)],
@@ -93,18 +96,18 @@ def test_a_learner_some_versions_behind_gets_the_deltas_since_while_they_cost_le
     numel = 300_001  # one chunk: the chunking is the test above's
     theta = rng.standard_normal(numel).astype(np.float32)
     held: dict[int, tuple[int, np.ndarray]] = {}  # version -> (reference, values)
-    first = references.serve(0, codec, published(0, theta.copy()), -1, 0)
+    first = references.serve(0, codec, published(0, theta.copy()), 0)
     assert first.values is not None
     held[0] = (first.reference, first.values)
     for version in range(1, kept + 3):
         theta = theta + (0.01 * rng.standard_normal(numel)).astype(np.float32)
         current = published(version, theta.copy())
-        fresh = references.serve(0, codec, current, -1, 0)  # advances the chain
+        fresh = references.serve(0, codec, current, 0)  # advances the chain
         assert fresh.values is not None
         held[version] = (fresh.reference, fresh.values)
         for behind in range(1, version + 1):
             reference, values = held[version - behind]
-            served = references.serve(0, codec, current, version - behind, reference)
+            served = references.serve(0, codec, current, reference)
             if behind <= kept:
                 assert len(served.deltas) == behind
                 np.testing.assert_array_equal(rebuilt(codec, values, served).view(np.uint32),
@@ -116,7 +119,7 @@ def test_a_learner_some_versions_behind_gets_the_deltas_since_while_they_cost_le
 def test_each_fragment_and_codec_has_its_own_chain() -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.ones(NUMEL, np.float32)
-    ids = {references.serve(p, codec, published(0, theta.copy()), -1, 0).reference
+    ids = {references.serve(p, codec, published(0, theta.copy()), 0).reference
            for p in (0, 1) for codec in (INT8, E3M0)}
     assert len(ids) == 4
 
@@ -124,10 +127,10 @@ def test_each_fragment_and_codec_has_its_own_chain() -> None:
 def test_versions_nobody_pulled_fold_into_one_delta() -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.zeros(NUMEL, np.float32)
-    start = references.serve(0, INT8, published(2, theta.copy()), -1, 0)
+    start = references.serve(0, INT8, published(2, theta.copy()), 0)
     assert start.values is not None
     later = np.full(NUMEL, 0.5, np.float32)
-    served = references.serve(0, INT8, published(6, later.copy()), 2, start.reference)
+    served = references.serve(0, INT8, published(6, later.copy()), start.reference)
     np.testing.assert_allclose(rebuilt(INT8, start.values, served), later, atol=0.5 / 127)
 
 
@@ -135,10 +138,10 @@ def test_versions_nobody_pulled_fold_into_one_delta() -> None:
 def test_a_lost_version_starts_a_new_chain(lost: str) -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.ones(NUMEL, np.float32)
-    references.serve(0, INT8, published(0, theta.copy()), -1, 0)
-    old = references.serve(0, INT8, published(1, theta * np.float32(2)), 0, 0)
+    references.serve(0, INT8, published(0, theta.copy()), 0)
+    old = references.serve(0, INT8, published(1, theta * np.float32(2)), 0)
     again = (published(1, theta * np.float32(3), commit_id=77) if lost == "other commit"
              else published(0, theta * np.float32(3), commit_id=78))
-    served = references.serve(0, INT8, again, 0, old.reference)
+    served = references.serve(0, INT8, again, old.reference)
     assert served.reference != old.reference and served.values is not None
     np.testing.assert_array_equal(served.values, again.params)
