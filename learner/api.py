@@ -30,6 +30,7 @@ import torch
 from learner.client import Retry, SynchronizerClient
 from learner.fragments import FragmentPlan, FragmentView, plan_fragments
 from learner.peers import PeerSettings
+from learner.schedule import ApplyRule
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from protos.events import EventLog
 from protos.tls import TlsConfig
@@ -63,9 +64,11 @@ class Learner:
                  connect_timeout_s: float = 60.0, max_backlog: int = 8,
                  peers: Sequence[str] = (), serve_peers: str | None = None,
                  peer_transport: str = "bulk", tls: TlsConfig | None = None,
-                 fp32_pulls: bool = False) -> None:
+                 fp32_pulls: bool = False, apply_rule: str = "overwrite") -> None:
         """`fp32_pulls`: pull the committed values even when pushing compressed, rather
-        than compressed deltas (the baseline `bench.convergence` compares them with)."""
+        than compressed deltas (the baseline `bench.convergence` compares them with).
+        `apply_rule`: what applying a merged version keeps of the steps since the push
+        (`learner.schedule.ApplyRule`: overwrite, carry, boundary)."""
         peer_settings = PeerSettings(peers=tuple(peers), serve=serve_peers,
                                      transport=peer_transport,
                                      insecure=tls is not None and tls.insecure)
@@ -84,7 +87,8 @@ class Learner:
         view = FragmentView(self.model, self.plan)
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,
-                                      alpha=alpha, max_backlog=max_backlog, lockstep=lockstep),
+                                      alpha=alpha, max_backlog=max_backlog, lockstep=lockstep,
+                                      rule=ApplyRule(apply_rule)),
             view.read, view.write, peer_settings)
         self._connect_timeout_s = connect_timeout_s
         self._hook: Any = None

@@ -72,6 +72,32 @@ def test_merged_fragment_is_applied_overlap_steps_after_its_push_blended_by_alph
                                    rtol=1e-6, atol=1e-7)
 
 
+def test_carry_applies_the_merged_version_plus_the_progress_since_the_push(
+        start_daemon: Callable[..., Daemon]) -> None:
+    """ApplyRule.CARRY: θ ← Θ_new + (θ − θ_push), and those steps stay the learner's."""
+    daemon = start_daemon("--set", "policy.grace_max_s=0")
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Learner(daemon.address, model, sync_every=4, fragments=2, overlap=2,
+                 apply_rule="carry", device="cpu", learner_id="solo") as learner:
+        view = FragmentView(model, learner.plan)
+        for _ in range(4):  # fragment 0 is pushed at step 4
+            train_step(model, opt)
+            learner.step(tokens=32)
+        pushed = view.read(0)
+        wait_until(lambda: daemon.status().fragments[0].version == 1, message="commit")
+        global_v1 = asyncio.run(fetch_fragment(daemon, learner, 0))
+        train_step(model, opt)
+        learner.step(tokens=32)
+        train_step(model, opt)
+        before = view.read(0)
+        wait_until(lambda: pull_arrived(learner, 0), message="the pull of v1")
+        assert learner.step(tokens=32) == [0]  # step 6 = 4 + τ
+        np.testing.assert_allclose(view.read(0), global_v1 + (before - pushed),
+                                   rtol=1e-5, atol=1e-6)
+        assert learner._sync.schedule.held(0) == (2, 64)  # steps 5 and 6 are kept
+
+
 def test_a_push_is_answered_by_the_version_that_merges_it_not_an_earlier_one(
         start_daemon: Callable[..., Daemon]) -> None:
     """Another learner's round publishing first must not overwrite the local progress
