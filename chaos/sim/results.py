@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class Result:
     chips: int
     learners: int
     elastic: bool
-    min_quorum: int
+    # As the policy has it: a number, or "auto" (adapted to the live learners).
+    min_quorum: int | Literal["auto"]
     goodput: float
     uptime: float
     # Merged chip-steps at nominal chip speed per allocated chip-second:
