@@ -869,5 +869,6 @@ def test_time_histograms_have_buckets_that_fit_what_they_measure(
     assert bucket("ftsync_grace_seconds", "0.1") == 0.0
     assert bucket("ftsync_grace_seconds", "0.25") == 1.0
     assert bucket("ftsync_sync_time_seconds", "30.0") == 1.0
-    rounds = [line for line in text.splitlines() if line.startswith("ftsync_rounds_committed_total{")]
+    rounds = [line for line in text.splitlines()
+              if line.startswith("ftsync_rounds_committed_total{")]
     assert any('why="all_live"' in line for line in rounds), rounds
