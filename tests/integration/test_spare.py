@@ -147,7 +147,8 @@ def test_harness_hands_a_killed_learners_slot_to_a_warm_spare(tmp_path: Path) ->
         ("fault", "inject"), ("fault", "heal"), ("fault_skipped", "heal")], kill
     assert "spare" in kill[1]["detail"] and "spare" in kill[2]["reason"]
     starts = [e for e in events if e["kind"] == "process_start" and e["name"] == "learner-0"]
-    assert len(starts) == 2 and starts[1].get("spare") is True, starts
+    # The fault schedule started once the spare was warm.
+    assert len(starts) == 2 and starts[1].get("spare") is True and starts[1]["warm"], starts
     # A new spare warms as soon as one is handed a slot.
     assert len([e for e in events if e["kind"] == "spare_start"]) == 2
     # (On a loaded machine the first process may be killed before it joined.)
