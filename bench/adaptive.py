@@ -13,9 +13,9 @@ and Nesterov 0.9, scaled per round), in three settings:
   gradients;
 - **quiet**: four equal learners with large batches (`--batch 128`): little noise.
 
-Every learner is held (SIGSTOP) once it has joined and caught up, and all start
-training together. The token budget is a total: once the steps summed over the four
-learners reach
+The run starts once every learner has joined and caught up (steps before count for
+nothing). The token budget is a total: once the steps summed over the four learners
+since then reach
 4 × `--steps`, every learner still running is sent SIGTERM. Each learner evaluates the
 held-out split every `--eval-every` steps; the run's held-out loss at a time is the mean
 of the learners' latest evaluations. Per setting, the target is the best static run's
@@ -94,15 +94,17 @@ class Run:
 
 
 class Followed:
-    """Reads learners' progress lines: steps summed, latest eval per learner.
+    """Reads learners' progress lines: steps since the start, latest eval per learner.
 
-    A learner is stopped (SIGSTOP) as soon as it says it is about to train (its
-    "held-out loss" line, after join and catch-up), and all are continued together
-    (`go`): on a loaded machine their start-ups differ by tens of seconds, and a
-    learner that started first would spend the budget alone."""
+    The run starts when every learner has said it is about to train (its "held-out
+    loss" line, after join and catch-up): on a loaded machine their start-ups differ
+    by tens of seconds. Steps taken before that count toward nothing. (Holding the
+    early ones with SIGSTOP instead can freeze one while its initial values are
+    still on their way, and the others wait for them.)"""
 
     def __init__(self, count: int) -> None:
         self.steps = [0] * count
+        self.before = [0] * count
         self.evals: list[float | None] = [None] * count
         self.ready = [threading.Event() for _ in range(count)]
         self.curve: list[tuple[float, float]] = []
@@ -115,8 +117,7 @@ class Followed:
 
         def read() -> None:
             for line in stream:
-                if not self.ready[index].is_set() and "held-out loss" in line:
-                    process.send_signal(signal.SIGSTOP)
+                if "held-out loss" in line:
                     self.ready[index].set()
                 match = PROGRESS.match(line)
                 if match:
@@ -125,25 +126,24 @@ class Followed:
         thread.start()
         return thread
 
-    def go(self, processes: list[subprocess.Popen[str]], timeout: float) -> None:
-        """Wait for every learner to be ready, then continue them all at once."""
+    def go(self, timeout: float) -> None:
+        """Wait for every learner to be ready to train, then start the run."""
         deadline = time.monotonic() + timeout
         for i, event in enumerate(self.ready):
-            if not event.wait(30):
-                log(f"  learner-{i} is not ready to train after 30 s")
             if not event.wait(max(deadline - time.monotonic(), 0.0)):
-                raise RuntimeError("a learner did not get ready to train in time")
+                raise RuntimeError(f"learner-{i} did not get ready to train in time")
         with self.lock:
             self.started = time.monotonic()
-        for process in processes:
-            process.send_signal(signal.SIGCONT)
+            self.before = list(self.steps)
+            self.steps = [0] * len(self.steps)
 
     def saw(self, index: int, step: int, loss: float) -> None:
         now = time.monotonic()
         with self.lock:
             if self.started is None:
+                self.steps[index] = step
                 return
-            self.steps[index] = step
+            self.steps[index] = step - self.before[index]
             self.evals[index] = loss
             known = [e for e in self.evals if e is not None]
             if len(known) == len(self.evals):
@@ -174,7 +174,7 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                     stdout=subprocess.PIPE, stderr=stderr, text=True)
                 followed.follow(i, process)
                 processes.append(process)
-            followed.go(processes, RUN_TIMEOUT_S)
+            followed.go(RUN_TIMEOUT_S)
             cycles += [DutyCycle(p.pid, 0.1, slowdown).start()
                        for p, slowdown in zip(processes, setting.slowdowns, strict=True)
                        if slowdown > 1]
@@ -193,7 +193,6 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                 cycle.stop()
             for process in processes:
                 if process.poll() is None:
-                    process.send_signal(signal.SIGCONT)  # a stopped process cannot exit
                     process.send_signal(signal.SIGTERM)
             for process in processes:
                 try:
