@@ -286,6 +286,9 @@ class BulkServer:
         self.port = 0
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Open connections, each shut down at stop: a worker thread blocked reading
+        # one would otherwise hold the process's exit until its idle timeout.
+        self._open: set[socket.socket] = set()
         self._threads = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix="ftsync-bulk", initializer=initializer)
 
@@ -308,6 +311,9 @@ class BulkServer:
         return self.port
 
     async def stop(self) -> None:
+        for conn in list(self._open):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -345,11 +351,14 @@ class BulkServer:
         loop = asyncio.get_running_loop()
         kernel_timeouts(raw, self.idle_s)
         conn = raw  # wrapping for TLS detaches `raw`: from then on, `conn` is the socket
+        self._open.add(raw)
         try:
             if self.tls is not None:
                 context = self.tls
                 conn = await loop.run_in_executor(
                     self._threads, lambda: context.wrap_socket(raw, server_side=True))
+                self._open.discard(raw)
+                self._open.add(conn)
             names = _cert_names(conn)
             transfers = 0
             while True:
@@ -379,6 +388,8 @@ class BulkServer:
         except (OSError, ConnectionError, ValueError, ssl.SSLError):
             pass  # the client went away, timed out, or never spoke the protocol
         finally:
+            self._open.discard(raw)
+            self._open.discard(conn)
             conn.close()
 
 

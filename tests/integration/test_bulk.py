@@ -100,6 +100,24 @@ def test_a_push_and_a_pull_move_their_bytes_on_the_bulk_port(
     assert transfers(port) == {"push/bulk": 2, "pull/bulk": 2}
 
 
+def test_the_daemon_stops_at_once_while_a_learner_holds_a_pooled_bulk_connection(
+        start_daemon: StartDaemon) -> None:
+    """A worker thread blocked reading the pooled connection kept the process from
+    exiting until the connection's idle timeout (30 s): SIGTERM then took the harness's
+    SIGKILL after 15 s, and a restart in a test waited that long."""
+    daemon = start_daemon(*FAST)
+
+    async def scenario() -> None:
+        learner = client(daemon.address)
+        try:
+            await init_and_pull(learner)  # the connection stays in the learner's pool
+            assert daemon.stop() == 0, "the daemon did not exit by itself on SIGTERM"
+        finally:
+            await learner.close()
+
+    asyncio.run(scenario())
+
+
 def test_where_the_bulk_port_cannot_be_reached_the_bytes_go_as_grpc_chunks(
         start_daemon: StartDaemon, tmp_path: Path) -> None:
     metrics_port = free_port()
