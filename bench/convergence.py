@@ -122,9 +122,9 @@ class Config:
     averaging: bool = False
     # Every learner behind a proxy of its own set to the `Settings.wan` link.
     wan: bool = False
-    # The learners' --compression, and whether they pull in fp32 all the same.
+    # The learners' --compression, and whether they pull deltas in it too.
     compression: str = "fp32"
-    fp32_pulls: bool = False
+    compressed_pulls: bool = False
 
 
 CONFIGS = {c.key: c for c in (
@@ -137,9 +137,9 @@ CONFIGS = {c.key: c for c in (
     Config("wa", "async over a cross-region link", sync=False, straggler=False, wan=True),
     Config("wb", "sync over a cross-region link", sync=True, straggler=False, wan=True),
     Config("ai", "async, int8 pushes and int8 delta pulls", sync=False, straggler=False,
-           compression="int8"),
+           compression="int8", compressed_pulls=True),
     Config("ai32", "async, int8 pushes and fp32 pulls", sync=False, straggler=False,
-           compression="int8", fp32_pulls=True),
+           compression="int8"),
 )}
 
 
@@ -230,8 +230,8 @@ def learner_command(config: Config, s: Settings, index: int, address: str,
                "--progress-every", str(s.progress_every),
                "--compression", config.compression,
                "--event-log", str(run_dir / f"learner-{index}.events.jsonl")]
-    if config.fp32_pulls:
-        command.append("--fp32-pulls")
+    if config.compressed_pulls:
+        command.append("--compressed-pulls")
     return [*command, "--lockstep"] if config.sync else command
 
 

@@ -142,9 +142,10 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
     parser.add_argument("--lockstep", action="store_true",
                         help="wait for each merged fragment when due (synchronous baseline)")
     parser.add_argument("--compression", default="fp32",
-                        help="fp32, bf16, int8 or e3m0, for pushes and for pulls (as deltas)")
-    parser.add_argument("--fp32-pulls", action="store_true",
-                        help="pull the committed values in fp32 even with --compression")
+                        help="fp32, bf16, int8 or e3m0, for pushes")
+    parser.add_argument("--compressed-pulls", action="store_true",
+                        help="pull new versions as deltas in the --compression codec (fewer "
+                             "bytes; held-out loss 5-9%% worse in BENCHMARKS.md's runs)")
     parser.add_argument("--shard", type=int, default=0, help="this learner's data shard")
     parser.add_argument("--num-shards", type=int, default=1, help="learners sharing the data")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
@@ -448,7 +449,7 @@ def run_task(args: argparse.Namespace, built: _Built | None = None,
                       learner_id=args.learner_id, device=device, event_log=args.event_log,
                       connect_timeout_s=args.connect_timeout, peers=args.peers,
                       serve_peers=args.serve_peers, peer_transport=args.peer_transport,
-                      tls=args.tls, fp32_pulls=args.fp32_pulls)
+                      tls=args.tls, compressed_pulls=args.compressed_pulls)
     run = _Run(args.learner_id)
     code = _start(learner.start, lambda: learner.catch_up is not None, run, args)
     if code:
