@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from learner.fragments import FragmentView, plan_fragments
-from learner.streaming import due_fragments, lockstep_resume_step, offsets
+from learner.schedule import Push, Schedule, ScheduleConfig, lockstep_resume_step, offsets
 
 
 def transformer_like(seed: int, width: int = 32, layers: int = 4) -> torch.nn.Module:
@@ -61,27 +61,38 @@ def test_view_reads_and_writes_flat_fp32_fragments() -> None:
     assert params[first].requires_grad and params[first].grad is None
 
 
+def pushes(sync_every: int, fragments: int, steps: range, lockstep: bool = False,
+           versions: dict[int, int] | None = None) -> list[tuple[int, int]]:
+    """(fragment, step) of every push the schedule makes over `steps`, started at
+    `versions` (all 0 by default) and never answered: when each fragment is due."""
+    schedule = Schedule(ScheduleConfig(sync_every=sync_every, fragments=fragments,
+                                       lockstep=lockstep))
+    schedule.start(versions or dict.fromkeys(range(fragments), 0))
+    return [(action.p, k) for k in steps for action in schedule.step(k, tokens=1)
+            if isinstance(action, Push)]
+
+
 @given(sync_every=st.integers(1, 200), fragments=st.integers(1, 16))
 def test_each_fragment_is_due_once_per_window_at_its_offset(sync_every: int,
                                                             fragments: int) -> None:
     starts = offsets(sync_every, fragments)
     assert starts == sorted(starts) and all(0 <= t < sync_every for t in starts)
+    due = pushes(sync_every, fragments, range(1, 1 + 4 * sync_every))
     for window in range(3):
-        due: list[tuple[int, int]] = []
         first = 1 + sync_every + window * sync_every
-        for step in range(first, first + sync_every):
-            due += [(p, step) for p in due_fragments(step, sync_every, fragments)]
-        assert sorted(p for p, _ in due) == list(range(fragments))
-        for p, step in due:
+        within = [(p, step) for p, step in due if first <= step < first + sync_every]
+        assert sorted(p for p, _ in within) == list(range(fragments))
+        for p, step in within:
             assert (step - starts[p]) % sync_every == 0
 
 
 def test_fragments_are_staggered_across_the_window() -> None:
     assert offsets(100, 4) == [0, 25, 50, 75]
-    assert due_fragments(100, 100, 4) == [0]
-    assert due_fragments(125, 100, 4) == [1]
+    due = pushes(100, 4, range(1, 201))
+    assert [step for p, step in due if p == 0] == [100, 200]
+    assert [step for p, step in due if p == 1] == [125]
     # Nothing is due before a fragment has had a full window of steps.
-    assert due_fragments(25, 100, 4) == []
+    assert min(step for _, step in due) == 100
 
 
 @given(sync_every=st.integers(1, 60), fragments=st.integers(1, 8), step=st.integers(0, 400))
@@ -90,12 +101,12 @@ def test_a_learner_rejoining_lock_step_pushes_each_fragment_for_the_next_version
     """The others are at `step`, every push up to it merged: the rejoining learner's
     next push of fragment p comes at the step they push version v_p + 1."""
     starts = offsets(sync_every, fragments)
-    versions = {p: sum(1 for s in range(1, step + 1) if p in due_fragments(s, sync_every,
-                                                                             fragments))
-                for p in range(fragments)}
+    # Pushes of fragment p come at t_p + H, t_p + 2H, ...: one version each.
+    versions = {p: max(0, (step - t) // sync_every) for p, t in enumerate(starts)}
     resumed = lockstep_resume_step(versions, sync_every)
     assert resumed <= step
+    due = pushes(sync_every, fragments, range(resumed + 1, resumed + 2 * sync_every + 2),
+                 lockstep=True, versions=versions)
     for p in range(fragments):
-        next_push = next(s for s in range(resumed + 1, resumed + 2 * sync_every + 2)
-                         if p in due_fragments(s, sync_every, fragments))
+        next_push = min(s for q, s in due if q == p)
         assert next_push == starts[p] + (versions[p] + 1) * sync_every
