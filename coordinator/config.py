@@ -193,6 +193,10 @@ class CoordinatorConfig:
     heartbeat_interval_ms: int = 1000
     # Pin the run to one fragment layout; empty: the first learner's.
     layout_hash: str = ""
+    # The bulk channel's TCP port, on the host of `listen`; 0: a free one at each start.
+    # Fix it where only known ports reach the daemon (a Kubernetes Service, a compose
+    # port map, a firewall): learners that cannot reach it send their bytes on gRPC.
+    bulk_port: int = 0
     # JSONL event log (joins, pushes, commits) for the chaos checkers.
     event_log: str = ""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -215,6 +219,8 @@ class CoordinatorConfig:
         if not 0 < self.heartbeat_interval_ms <= 3_600_000:
             raise ValueError(f"heartbeat_interval_ms must be in (0, 3600000] "
                              f"(got {self.heartbeat_interval_ms})")
+        if not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in [0, 65535] (got {self.bulk_port})")
 
     def tokens(self) -> dict[str, str]:
         """Configured tokens, those of tokens_file included."""

@@ -169,10 +169,11 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}: the address "
                          f"is in use or not on this machine")
     try:
-        await bulk.start(host.strip("[]"))
+        await bulk.start(host.strip("[]"), config.bulk_port)
     except OSError as exc:
         await engine.stop()
-        raise SystemExit(f"ftsync-coordinator: cannot open a bulk port on {host}: "
+        which = f"bulk_port {config.bulk_port}" if config.bulk_port else "a bulk port"
+        raise SystemExit(f"ftsync-coordinator: cannot open {which} on {host}: "
                          f"{exc}") from None
     replica = Replica(engine, config, f"{host}:{port}", material) if config.ha.enabled else None
     drainer = Drainer(engine, replica)

@@ -292,10 +292,10 @@ class BulkServer:
         self._threads = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix="ftsync-bulk", initializer=initializer)
 
-    async def start(self, host: str) -> int:
-        """Listen on a free port of `host`; returns it."""
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on `port` of `host` (0: a free one); returns the port."""
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         listener = socket.socket(family, kind, proto)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

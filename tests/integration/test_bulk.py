@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
+from chaos.local import StartError
 from chaos.proxy import ThreadedProxy
 from coordinator.certs import make_certificates
 from learner.client import Retry, SynchronizerClient
@@ -98,6 +99,25 @@ def test_a_push_and_a_pull_move_their_bytes_on_the_bulk_port(
     assert status.bytes_out == 2 * 4 * NUMEL
     assert dict(status.rejections) == {}
     assert transfers(port) == {"push/bulk": 2, "pull/bulk": 2}
+
+
+def test_a_fixed_bulk_port_is_the_one_the_daemon_serves_on(start_daemon: StartDaemon) -> None:
+    """`bulk_port` fixes the port (for a Service or a port map to expose): the transfers
+    go there, and a second daemon asking for it is refused at start, naming it."""
+    port, bulk = free_port(), free_port()
+    daemon = start_daemon(*FAST, "--prometheus-listen", str(port), "--set", f"bulk_port={bulk}")
+
+    async def scenario() -> None:
+        learner = client(daemon.address)
+        try:
+            await init_and_pull(learner)
+        finally:
+            await learner.close()
+
+    asyncio.run(scenario())
+    assert transfers(port) == {"push/bulk": 1, "pull/bulk": 1}
+    with pytest.raises(StartError, match=f"cannot open bulk_port {bulk} on 127.0.0.1"):
+        start_daemon("--set", f"bulk_port={bulk}")
 
 
 def test_the_daemon_stops_at_once_while_a_learner_holds_a_pooled_bulk_connection(

@@ -179,6 +179,13 @@ def test_a_bad_prometheus_listen_address_is_named(listen: str) -> None:
     assert "metrics.prometheus_listen" in str(info.value) and repr(listen) in str(info.value)
 
 
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_a_bulk_port_out_of_range_is_named(port: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(CoordinatorConfig, None, {"bulk_port": port})
+    assert f"bulk_port must be in [0, 65535] (got {port})" in str(info.value)
+
+
 def test_the_old_prometheus_port_key_points_to_its_replacement() -> None:
     with pytest.raises(ConfigError) as info:
         load(CoordinatorConfig, None, {"metrics.prometheus_port": "9100"})
