@@ -27,6 +27,7 @@ import numpy as np
 
 from learner.client import Refused, Retry, SynchronizerClient
 from learner.peers import TRANSPORTS, PeerSettings
+from learner.schedule import ApplyRule
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
 from protos import discovery, tls
@@ -92,7 +93,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     """Every check of the flags that needs no coordinator; `parser.error` on the first."""
     try:
         codec_named(args.compression)
-        SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha)
+        SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha,
+                     rule=ApplyRule(args.apply_rule))
         args.peer_settings = PeerSettings(peers=tuple(args.peers), serve=args.serve_peers,
                                           transport=args.peer_transport, insecure=args.insecure)
         args.tls = tls.from_flags(args, insecure=args.insecure)
@@ -139,6 +141,11 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
     parser.add_argument("--fragments", type=int, default=4, help="P: fragments of the model")
     parser.add_argument("--overlap", type=int, default=2, help="τ: steps before applying")
     parser.add_argument("--alpha", type=float, default=0.0, help="blend of local values kept")
+    parser.add_argument("--apply-rule", choices=[rule.value for rule in ApplyRule],
+                        default=ApplyRule.OVERWRITE.value,
+                        help="what applying a merged version keeps of the steps since the "
+                             "push: overwrite (none), carry (all of them, on top), boundary "
+                             "(applied at the next due step instead)")
     parser.add_argument("--lockstep", action="store_true",
                         help="wait for each merged fragment when due (synchronous baseline)")
     parser.add_argument("--compression", default="fp32",
@@ -449,7 +456,8 @@ def run_task(args: argparse.Namespace, built: _Built | None = None,
                       learner_id=args.learner_id, device=device, event_log=args.event_log,
                       connect_timeout_s=args.connect_timeout, peers=args.peers,
                       serve_peers=args.serve_peers, peer_transport=args.peer_transport,
-                      tls=args.tls, compressed_pulls=args.compressed_pulls)
+                      tls=args.tls, compressed_pulls=args.compressed_pulls,
+                      apply_rule=args.apply_rule)
     run = _Run(args.learner_id)
     code = _start(learner.start, lambda: learner.catch_up is not None, run, args)
     if code:

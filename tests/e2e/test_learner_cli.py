@@ -32,7 +32,10 @@ def learner(*args: str) -> list[str]:
     (["--sync-every", "4", "--overlap", "10"], ["overlap", "at most sync_every"]),
     (["--task", "synthetic", "--dim", "16", "--fragments", "1000"], ["--fragments 1000",
                                                                       "--dim 16"]),
-], ids=["progress", "step-ms", "threads", "tokens", "batch", "overlap", "fragments"])
+    (["--apply-rule", "carry", "--alpha", "0.5"], ["carry", "alpha must be 0"]),
+    (["--apply-rule", "sideways"], ["--apply-rule", "'sideways'"]),
+], ids=["progress", "step-ms", "threads", "tokens", "batch", "overlap", "fragments",
+        "rule-alpha", "rule"])
 def test_a_flag_it_cannot_train_with_is_refused_by_name(args: list[str],
                                                          needles: list[str]) -> None:
     result = subprocess.run(learner("--task", "synthetic", *args), capture_output=True,
