@@ -48,11 +48,20 @@ _GOODPUT_EVERY_S = 5.0
 Slot = LearnerSlot[subprocess.Popen[str]]
 
 
+def proxy_host(index: int) -> str:
+    """The loopback address of learner `index`'s proxy: one of its own, so that the
+    coordinator's ports it mirrors do not collide with another proxy's."""
+    return f"127.0.0.{2 + index}"
+
+
 class ProcessCluster(Cluster[subprocess.Popen[str]]):
     """The topology of one experiment, as local processes."""
 
     def __init__(self, experiment: Experiment, out: Path) -> None:
-        super().__init__(experiment, out)
+        # Learners call the coordinator through their proxies' addresses: under TLS its
+        # certificate names them too.
+        proxies = [proxy_host(i) for i in range(experiment.learners.count)]
+        super().__init__(experiment, out, cert_hosts=proxies if experiment.proxy else [])
         self.coordinator_log = out / "coordinator.events.jsonl"
         self.coordinator = CoordinatorProcess(state_dir=out / "state", args=[
             "--event-log", str(self.coordinator_log), *self.coordinator_args],
@@ -95,7 +104,7 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
                              if port != self.coordinator.port)
         for index, slot in enumerate(self.learners):
             if self.experiment.proxy:
-                proxy = ThreadedProxy(self.coordinator.address, host=f"127.0.0.{2 + index}",
+                proxy = ThreadedProxy(self.coordinator.address, host=proxy_host(index),
                                       link=self.experiment.link_for(slot.learner_id),
                                       mirror_ports=mirrored)
                 proxy.start()
