@@ -63,7 +63,11 @@ FAULTS = {
     "bandwidth": ("learner-1", "bandwidth_bytes_s = 50000"),
     "reset_connections": ("learner-0", ""),
     "adversary": ("random", ""),
-    "kill_leader": ("leader", 'during = "grace"'),
+    # Learner-1 at half speed throughout, so rounds wait for it in grace windows that a
+    # status poll sees (two learners in step close theirs within milliseconds).
+    "kill_leader": ("leader", 'during = "grace"\n\n[[faults]]\nkind = "straggle"\n'
+                              'target = "learner-1"\nat_s = 0.5\nduration_s = 60\n'
+                              'duty = 0.5'),
     "pause_leader": ("leader", ""),
     "partition_leader_from_etcd": ("leader", ""),
     "kill_etcd_member": ("m1", ""),
