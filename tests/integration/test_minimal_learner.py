@@ -52,6 +52,11 @@ def test_the_minimal_learner_merges_beside_built_in_ones(
          "--step-ms", "10", "--event-log", str(tmp_path / f"builtin-{i}.jsonl")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         for i in range(2)]
+    # The built-in learners take seconds to import torch, the minimal one none: it
+    # starts once they have joined, so that their runs overlap.
+    wait_until(lambda: {"builtin-0", "builtin-1"} <= {
+        lr.learner_id for lr in daemon.status().learners}, timeout=120,
+        message="the built-in learners joined")
     minimal = subprocess.Popen(
         [sys.executable, str(MINIMAL), "--coordinator", daemon.address,
          "--learner-id", "minimal", "--shard", "2", *STEPS],
