@@ -50,7 +50,7 @@ from learner.metrics import LearnerMetrics
 from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.bulk import BulkError, BulkPool, BulkUnreachable
+from protos.bulk import Abort, BulkError, BulkPool, BulkUnreachable
 from protos.codec import (
     FP32,
     MESSAGE_SIZE_OPTIONS,
@@ -513,9 +513,13 @@ class SynchronizerClient:
             return "grpc"  # a coordinator without a bulk port: the chunks go on the call
         if not ticket or not port:
             return "bulk"  # refused before any ticket: the call's status says why
+        # A call that ends first (its replica left behind, cut off) takes its transfer
+        # with it: the worker would otherwise wait on a peer that may never answer.
+        abort = Abort()
+        call.add_done_callback(lambda _: abort.cut())
         try:
             await asyncio.to_thread(self._bulk.push, _host(address), int(port),
-                                    bytes.fromhex(ticket), values, codec)
+                                    bytes.fromhex(ticket), values, codec, abort)
         except BulkUnreachable as exc:
             self._fall_back(address, exc)
             return "grpc"

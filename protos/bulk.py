@@ -407,6 +407,31 @@ def taken(conn: socket.socket) -> None:
 # -- the dialling side ------------------------------------------------------------------
 
 
+class Abort:
+    """Ends one transfer from another thread: `cut` shuts its connection down, waking
+    the worker blocked on it (a partitioned peer never answers, and its sends would
+    wait out the kernel's timeout), and a transfer not yet connected fails at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: socket.socket | None = None
+        self.cut_off = False
+
+    def cut(self) -> None:
+        with self._lock:
+            self.cut_off = True
+            if self._conn is not None:
+                with contextlib.suppress(OSError):
+                    self._conn.shutdown(socket.SHUT_RDWR)
+
+    def running(self, conn: socket.socket | None) -> None:
+        """The transfer's connection from now on (None: done with it, pooled)."""
+        with self._lock:
+            if conn is not None and self.cut_off:
+                raise ConnectionError("the transfer was abandoned")
+            self._conn = conn
+
+
 class BulkPool:
     """Bulk connections, kept per (host, port) after a clean transfer for the next one.
     Blocking: call from worker threads. TLS with `tls` (the server's name checked
@@ -420,21 +445,23 @@ class BulkPool:
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def push(self, host: str, port: int, ticket: bytes, values: Floats, codec: Codec) -> int:
-        """Send `values` under `ticket`; returns the data bytes sent."""
+    def push(self, host: str, port: int, ticket: bytes, values: Floats, codec: Codec,
+             abort: Abort | None = None) -> int:
+        """Send `values` under `ticket`; returns the data bytes sent. `abort` can end
+        it from another thread."""
         def work(conn: socket.socket) -> int:
             sent = send_frames(conn, values, codec)
             if _recv_exactly(conn, 1) != _TAKEN:
                 raise ConnectionError("the bulk port did not take every frame")
             return sent
-        return self._transfer(host, port, ticket, work)
+        return self._transfer(host, port, ticket, work, abort or Abort())
 
     def pull(self, host: str, port: int, ticket: bytes, reader: ChunkReader,
              out: Floats) -> None:
         """Receive the vector `reader` describes into `out` under `ticket`."""
         def work(conn: socket.socket) -> None:
             receive_frames(conn, reader, out)
-        self._transfer(host, port, ticket, work)
+        self._transfer(host, port, ticket, work, Abort())
 
     def close(self) -> None:
         with self._lock:
@@ -444,11 +471,12 @@ class BulkPool:
                 conn.close()
 
     def _transfer(self, host: str, port: int, ticket: bytes,
-                  work: Callable[[socket.socket], T]) -> T:
+                  work: Callable[[socket.socket], T], abort: Abort) -> T:
         hello = ticket + bytes([len(self.learner_id.encode())]) + self.learner_id.encode()
         while True:
             conn, pooled = self._take(host, port)
             try:
+                abort.running(conn)
                 try:
                     conn.sendall(hello)
                     status = conn.recv(1)
@@ -462,8 +490,13 @@ class BulkPool:
                 if status != _TAKEN:
                     raise _refusal(conn, status)
                 result = work(conn)
-            except BaseException:
+                abort.running(None)
+            except BaseException as exc:
+                abort.running(None)
                 conn.close()
+                if abort.cut_off and isinstance(exc, Exception):
+                    # Whatever the shut-down socket made of it: abandoned, not refused.
+                    raise ConnectionError("the transfer was abandoned") from exc
                 raise
             with self._lock:
                 self._idle.setdefault((host, port), []).append(conn)

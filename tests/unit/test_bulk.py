@@ -13,7 +13,9 @@ import pytest
 
 from protos.bulk import (
     HEAD,
+    Abort,
     BulkError,
+    BulkPool,
     Grant,
     Handoff,
     Tickets,
@@ -21,7 +23,7 @@ from protos.bulk import (
     receive_frames,
     send_frames,
 )
-from protos.codec import INT8
+from protos.codec import FP32, INT8
 from protos.stream import ChunkReader
 
 
@@ -111,3 +113,33 @@ def test_a_damaged_frame_fails_its_checksum() -> None:
                               ChunkReader(values.size, "fragment 0"), np.zeros_like(values))
     assert corrupt.value.reason == "corrupt"
     assert "frame at offset 0 of fragment 0 fails its checksum" in corrupt.value.message
+
+
+def test_a_transfer_to_a_peer_that_never_answers_ends_when_it_is_cut() -> None:
+    """A partitioned coordinator takes the connection and answers nothing: the worker
+    would wait out the pool's 30 s timeout; cutting it from another thread (as a
+    learner does when the push's call ends) ends it at once."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        pool, abort = BulkPool("l0"), Abort()
+        failed: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                pool.push("127.0.0.1", port, bytes(16), np.ones(8, np.float32), FP32, abort)
+            except (OSError, ConnectionError) as exc:
+                failed.append(exc)
+
+        worker = threading.Thread(target=push)
+        worker.start()
+        conn, _ = silent.accept()  # taken, never answered
+        with conn:
+            while abort._conn is None:  # the transfer is running on its connection
+                threading.Event().wait(0.01)
+            abort.cut()
+            worker.join(timeout=5)
+            assert not worker.is_alive(), "the cut transfer is still waiting"
+        assert failed, "the cut transfer did not fail"
+        with pytest.raises(ConnectionError, match="abandoned"):
+            pool.push("127.0.0.1", port, bytes(16), np.ones(8, np.float32), FP32, abort)
+        pool.close()
