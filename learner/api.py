@@ -84,8 +84,7 @@ class Learner:
             overlap_steps=overlap, codec=compression,
             retry=Retry(give_up_after_s=connect_timeout_s), events=self.events,
             device=str(self.device), tls=material,
-            # fp32 pushes pull as they always did; compressed ones pull fp32 unless asked.
-            pull_codec=None if compressed_pulls or compression == "fp32" else "fp32")
+            pull_codec=None if compressed_pulls else "fp32")
         view = FragmentView(self.model, self.plan)
         self._sync = FragmentSync(
             self.client, SyncSettings(sync_every=sync_every, overlap_steps=overlap,
