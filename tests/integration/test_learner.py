@@ -333,18 +333,20 @@ def test_a_learner_whose_version_the_coordinator_lost_and_committed_again_takes_
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    # One fragment, pushed at steps 8, 16, ...: steps 10 to 15 push nothing.
+    # One fragment, pushed at steps 8, 16, ...: steps 10 to 15 push nothing. Each
+    # step waits for the pull under way, as a step's compute longer than a commit
+    # would: with fsync a commit can outlast several of this model's steps.
     with Learner(daemon.address, model, sync_every=8, fragments=1, overlap=1, device="cpu",
                  learner_id="behind", connect_timeout_s=30, event_log=str(log)) as learner:
         view = FragmentView(model, learner.plan)
         daemon.stop()
         shutil.copytree(state, backup)  # version 0
         daemon.start()
-        while learner.applied_versions[0] < 1:
-            assert learner._sync.local_step < 15, learner.applied_versions
+        for _ in range(8):
             train_step(model, opt)
             learner.step(tokens=32)
-            time.sleep(0.01)  # a step's compute, so that the round commits between steps
+        wait_until(lambda: pull_arrived(learner, 0), message="the pull of version 1")
+        assert learner.step(tokens=32) == [0] and learner.applied_versions[0] == 1
         lost = asyncio.run(coordinator_values(daemon, learner))[0]
         daemon.kill()
         shutil.rmtree(state)
@@ -358,9 +360,10 @@ def test_a_learner_whose_version_the_coordinator_lost_and_committed_again_takes_
         assert not np.array_equal(new.values, lost.values)
         wait_until(lambda: learner.client.published.get(0) == (1, new.commit_id), 10,
                    message="a heartbeat reporting the new version 1")
-        while learner._sync.local_step < 15 and not np.array_equal(view.read(0), new.values):
-            learner.step(tokens=32)  # no training: the model holds what was applied
-            time.sleep(0.01)  # a step's compute, in which the pull of the new version lands
+        # No training from here: the model holds what was applied.
+        assert learner.step(tokens=32) == []  # step 10 sees the other commit and pulls it
+        wait_until(lambda: pull_arrived(learner, 0), message="the pull of the new version 1")
+        assert learner.step(tokens=32) == [0]  # step 11, before the next push at 16
         np.testing.assert_array_equal(view.read(0), new.values)
     lost_events = [json.loads(line) for line in log.read_text().splitlines()
                    if '"version_lost"' in line]
