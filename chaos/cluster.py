@@ -18,14 +18,13 @@ import abc
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from chaos.experiment import LEADER_FAULTS, Action, Experiment, schedule
+from chaos.experiment import Action, Experiment, schedule
 from chaos.failover import Tail, find_leader
-from chaos.proxy import LinkSpec
 from coordinator.certs import make_certificates
 from learner.cli import PROGRESS
 from protos import ftsync_pb2 as pb
@@ -128,6 +127,25 @@ class Cluster(abc.ABC, Generic[H]):
         self.learners: list[LearnerSlot[H]] = [
             LearnerSlot(lid, i, out / f"{lid}.events.jsonl")
             for i, lid in enumerate(experiment.learners.ids())]
+        # Each fault kind's inject and heal: the `fault` event's detail, or None
+        # where the handler emits its own events.
+        self._faults: dict[str, Callable[[Action, tuple[int, int]], str | None]] = {
+            "kill_learner": self._kill_learner_fault,
+            "pause_learner": self._pause_learner_fault,
+            "straggle": self._straggle_fault,
+            "partition_learner": self._partition_learner_fault,
+            "latency": self._link_fault,
+            "bandwidth": self._link_fault,
+            "reset_connections": self._link_fault,
+            "kill_coordinator": self._kill_coordinator_fault,
+            "adversary": self._adversary_fault,
+            "kill_leader": self._leader_fault,
+            "pause_leader": self._leader_fault,
+            "partition_leader_from_etcd": self._leader_fault,
+            "kill_etcd_member": self._etcd_member_fault,
+            "drain_replica": self._drain_fault,
+            "partition": self._partition_fault,
+        }
         # The replica each leader fault hit, so that its heal reaches the same one.
         self._leader_hit: dict[tuple[int, int], int] = {}
         # Per partition occurrence, what it cut (the leader resolved), for its heal.
@@ -272,8 +290,6 @@ class Cluster(abc.ABC, Generic[H]):
         fault, target = action.fault, action.target
         kind = fault.kind
         slot = next((s for s in self.learners if s.learner_id == target), None)
-        detail = ""
-        take_over = False
         # A fault on a process that is not running (down, done) is skipped, and so
         # is its heal: overlapping windows would start a second process in its place.
         occurrence = (id(fault), action.occurrence)
@@ -291,66 +307,98 @@ class Cluster(abc.ABC, Generic[H]):
             self.events.emit("fault_skipped", fault=kind, target=target, action="heal",
                              reason="its injection was skipped")
             return
-        if kind == "kill_learner" and slot is not None:
-            if not action.heal:
-                if fault.during == "push":
-                    detail = self._await_push(slot)
-                slot.state = "killed"
-                self.kill_learner(slot)
-                take_over = self.experiment.learners.spares > 0
-            else:
-                slot.step_base = slot.step
-                remaining = max(self.experiment.learners.steps - slot.step, 1)
-                detail = f"restarted for {remaining} steps"
-                self.start_learner(slot, remaining)
-        elif kind in ("pause_learner", "straggle") and slot is not None:
-            if kind == "straggle" and not action.heal:
-                slot.straggler = threading.Event()
-                threading.Thread(target=self._duty_cycle, args=(slot, fault.duty,
-                                                                slot.straggler),
-                                 daemon=True).start()
-                slot.state = "straggling"
-            elif kind == "straggle":
-                if slot.straggler is not None:
-                    slot.straggler.set()
-                slot.state = "running" if slot.running else slot.state
-            else:
-                self.freeze(slot, not action.heal)
-                slot.state = ("running" if slot.running else slot.state) if action.heal \
-                    else "paused"
-        elif kind == "kill_coordinator":
-            if not action.heal:
-                self.kill_coordinator()
-                self.coordinator_up = False
-            else:
-                self.restart_coordinator()
-                self.coordinator_up = True
-        elif kind == "adversary":
-            if not action.heal:
-                self.start_adversary(target, fault.adversary, fault.duration_s)
-        elif kind in LEADER_FAULTS:
-            self._leader_fault(action, occurrence)
-            return
-        elif kind == "drain_replica":
-            self._drain_fault(action, occurrence)
-            return
-        elif kind == "kill_etcd_member":
-            detail = self.etcd_fault(int(target.removeprefix("m")), action.heal)
-        elif kind == "partition":
-            self._partition_fault(action, occurrence)
-            return
-        elif kind == "partition_learner" and slot is not None:
-            self.partition_learner(slot, action.heal)
-            slot.state = ("running" if slot.running else slot.state) if action.heal \
-                else "partitioned"
-        elif slot is not None and slot.proxy is not None:
-            detail = self._network(slot.proxy, kind, action.heal, fault.latency_ms,
-                                   fault.bandwidth_bytes_s,
-                                   self.experiment.link_for(slot.learner_id))
-        self.events.emit("fault", fault=kind, target=target,
+        detail = self._faults[kind](action, occurrence)
+        if detail is not None:
+            self._emit_fault(action, detail)
+
+    def _emit_fault(self, action: Action, detail: str) -> None:
+        self.events.emit("fault", fault=action.fault.kind, target=action.target,
                          action="heal" if action.heal else "inject", detail=detail)
-        if take_over and slot is not None:
-            self._take_over(slot, occurrence)
+
+    def _slot(self, learner_id: str) -> LearnerSlot[H]:
+        """The slot a learner fault targets (experiments name only their own learners)."""
+        return next(s for s in self.learners if s.learner_id == learner_id)
+
+    # -- the fault kinds (`_faults`) ----------------------------------------------
+
+    def _kill_learner_fault(self, action: Action, occurrence: tuple[int, int]) -> str | None:
+        slot = self._slot(action.target)
+        if action.heal:
+            slot.step_base = slot.step
+            remaining = max(self.experiment.learners.steps - slot.step, 1)
+            self.start_learner(slot, remaining)
+            return f"restarted for {remaining} steps"
+        detail = self._await_push(slot) if action.fault.during == "push" else ""
+        slot.state = "killed"
+        self.kill_learner(slot)
+        if self.experiment.learners.spares == 0:
+            return detail
+        self._emit_fault(action, detail)
+        self._take_over(slot, occurrence)
+        return None
+
+    def _pause_learner_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        slot = self._slot(action.target)
+        self.freeze(slot, not action.heal)
+        slot.state = self._back_to_running(slot) if action.heal else "paused"
+        return ""
+
+    def _straggle_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        slot = self._slot(action.target)
+        if action.heal:
+            if slot.straggler is not None:
+                slot.straggler.set()
+            slot.state = self._back_to_running(slot)
+            return ""
+        slot.straggler = threading.Event()
+        threading.Thread(target=self._duty_cycle,
+                         args=(slot, action.fault.duty, slot.straggler), daemon=True).start()
+        slot.state = "straggling"
+        return ""
+
+    def _partition_learner_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        slot = self._slot(action.target)
+        self.partition_learner(slot, action.heal)
+        slot.state = self._back_to_running(slot) if action.heal else "partitioned"
+        return ""
+
+    def _link_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        """`latency`, `bandwidth`, `reset_connections`: on the learner's proxy; heal
+        goes back to the experiment's link for it."""
+        slot, fault, heal = self._slot(action.target), action.fault, action.heal
+        if slot.proxy is None:
+            return ""
+        link = self.experiment.link_for(slot.learner_id)
+        if fault.kind == "latency":
+            slot.proxy.set_latency(link.latency_ms if heal else fault.latency_ms)
+            return "" if heal else f"{fault.latency_ms:g} ms"
+        if fault.kind == "bandwidth":
+            slot.proxy.set_bandwidth(link.bandwidth if heal else fault.bandwidth_bytes_s)
+            return "" if heal else f"{fault.bandwidth_bytes_s} B/s"
+        if not heal:
+            slot.proxy.reset_connections()
+        return ""
+
+    def _kill_coordinator_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        if action.heal:
+            self.restart_coordinator()
+        else:
+            self.kill_coordinator()
+        self.coordinator_up = action.heal
+        return ""
+
+    def _adversary_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        if not action.heal:
+            self.start_adversary(action.target, action.fault.adversary, action.fault.duration_s)
+        return ""
+
+    def _etcd_member_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
+        return self.etcd_fault(int(action.target.removeprefix("m")), action.heal)
+
+    @staticmethod
+    def _back_to_running(slot: LearnerSlot[H]) -> str:
+        """A healed learner's state: running again, unless it ended meanwhile."""
+        return "running" if slot.running else slot.state
 
     def _take_over(self, slot: LearnerSlot[H], occurrence: tuple[int, int]) -> None:
         """A killed learner's slot goes to a warm spare now: its down time ends here,
@@ -449,8 +497,7 @@ class Cluster(abc.ABC, Generic[H]):
         began = time.monotonic()
         detail = self.partition(target, cut_from, action.heal, occurrence)
         if slot is not None:
-            slot.state = ("running" if slot.running else slot.state) if action.heal \
-                else "partitioned"
+            slot.state = self._back_to_running(slot) if action.heal else "partitioned"
         extra: dict[str, Any] = {} if epoch is None else {"epoch": epoch}
         # took_s: how long the backend took to cut or mend (docker starts helpers).
         self.events.emit("fault", fault=fault.kind, target=target,
@@ -501,20 +548,6 @@ class Cluster(abc.ABC, Generic[H]):
                 return f"mid-push of fragment {fragment} seq {seq}"
             time.sleep(0.005)
         return f"no push in flight within {MOMENT_WAIT_S:g} s"
-
-    @staticmethod
-    def _network(proxy: Link, kind: str, heal: bool, latency_ms: float, bandwidth: int,
-                 link: LinkSpec) -> str:
-        """Apply a link fault, or heal it back to the experiment's `link`."""
-        if kind == "latency":
-            proxy.set_latency(link.latency_ms if heal else latency_ms)
-            return "" if heal else f"{latency_ms:g} ms"
-        if kind == "bandwidth":
-            proxy.set_bandwidth(link.bandwidth if heal else bandwidth)
-            return "" if heal else f"{bandwidth} B/s"
-        if not heal:
-            proxy.reset_connections()
-        return ""
 
     def _duty_cycle(self, slot: LearnerSlot[H], duty: float, done: threading.Event) -> None:
         """Freeze and thaw a learner so it runs `duty` of each period: a straggler."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
-from chaos.experiment import Experiment, load_experiment, schedule
+from chaos.cluster import make_cluster
+from chaos.experiment import Experiment, FaultKind, load_experiment, schedule
 from chaos.proxy import LinkSpec
 from coordinator.config import ConfigError
 
@@ -270,3 +272,11 @@ def test_a_quorum_that_chooses_itself(tmp_path: Path) -> None:
     assert experiment.coordinator.min_quorum == "auto"
     message = error_of(tmp_path, BASE + '\n[coordinator]\nmin_quorum = "most"\n')
     assert "coordinator.min_quorum must be int or one of ['auto']" in message, message
+
+
+def test_every_fault_kind_has_an_inject_and_heal(tmp_path: Path) -> None:
+    """One table of fault handlers: a kind an experiment accepts and the harness
+    cannot carry out would fail only when a run strikes with it. (Building the
+    cluster starts nothing.)"""
+    cluster = make_cluster(load_experiment(EXPERIMENTS[0]), tmp_path)
+    assert set(cluster._faults) == set(typing.get_args(FaultKind))
