@@ -53,7 +53,7 @@ from chaos.sim.chips import Chips
 from chaos.sim.results import Result
 from chaos.sim.scenario import Scenario
 from coordinator.errors import Reason, Rejected
-from coordinator.policy import Admission, ContributionId, Offer, Policy
+from coordinator.policy import Admission, ContributionId, Offer, Policy, RoundClose
 from learner.schedule import Apply, Pull, Push, Schedule, ScheduleConfig
 
 # A kill of the replayed timeline: (time, learner index).
@@ -96,13 +96,16 @@ class _Fragment:
 class _Group:
     """One data-parallel group of chips: a learner slot across its restarts."""
 
-    def __init__(self, index: int, lid: str, lo: int, hi: int, slow: float) -> None:
+    def __init__(self, index: int, lid: str, lo: int, hi: int, slow: float,
+                 pace: float) -> None:
         self.index = index
         self.lid = lid
         self.lo, self.hi = lo, hi
         self.nominal = hi - lo
         self.active = self.nominal
         self.slow = slow
+        # The learner's own speed (cluster.learner_speeds), whatever its chips.
+        self.pace = pace
         self.state = DOWN
         # Bumped when the process dies: its in-flight pushes and pulls are void.
         self.incarnation = 0
@@ -176,7 +179,8 @@ class FtsyncRun:
         starts = [i * size + min(i, extra) for i in range(m)]
         ends = [*starts[1:], cluster.chips]
         slow = self.chips.slowest_of(starts)
-        self.groups = [_Group(i, f"learner-{i}", lo, hi, slow[i])
+        paces = cluster.learner_speeds or [1.0] * m
+        self.groups = [_Group(i, f"learner-{i}", lo, hi, slow[i], paces[i])
                        for i, (lo, hi) in enumerate(zip(starts, ends, strict=True))]
         self.P = training.fragments
         self.H = training.sync_every
@@ -206,8 +210,14 @@ class FtsyncRun:
         self.failures = 0
         self.contributions = 0
         self.merged = 0
+        self.staleness_sum = 0
+        self.rounds = 0
+        self.quorum_sum = 0
         self.lost_in_flight = 0
         self.dropped: dict[str, float] = {}
+        # Σ Δ² of every contribution under the noise model (`training.noise_ratio`),
+        # and of each round's merge: what the automatic quorum measures noise from.
+        self.norm_sq = 1.0 + training.noise_ratio if training.noise_ratio > 0 else None
 
     # -- the event loop ----------------------------------------------------------------
 
@@ -271,7 +281,7 @@ class FtsyncRun:
         """The step clock goes on from t at a new pace (host share or slowest chip)."""
         g.anchor_step += (t - g.anchor_t) / g.step_s
         g.anchor_t = t
-        g.step_s = self.s.training.step_s * g.slow / self.speed
+        g.step_s = self.s.training.step_s * g.slow / (self.speed * g.pace)
         g.clock += 1
         self._reschedule(g)
 
@@ -325,7 +335,7 @@ class FtsyncRun:
         g.clock += 1
         g.anchor_t = t
         g.anchor_step = float(g.local_step)
-        g.step_s = self.s.training.step_s * g.slow / self.speed
+        g.step_s = self.s.training.step_s * g.slow / (self.speed * g.pace)
         g.set_rate(t, g.active)
         self._reschedule(g)
 
@@ -611,7 +621,7 @@ class FtsyncRun:
         p = offer.id.fragment
         try:
             admission = self._admit(t, g, offer)
-            self.policy.accept(admission, t)
+            self.policy.accept(admission, t, norm_sq=self.norm_sq)
         except Rejected as rejected:
             self._drop(rejected)
             self._answered(t, g, push, None, rejected.reason)
@@ -649,11 +659,25 @@ class FtsyncRun:
                 self.useful += work / self.P
                 self.useful_steps += chip_steps / self.P
                 self.merged += 1
+                self.staleness_sum += c.staleness
+            self.rounds += 1
+            self.quorum_sum += close.quorum
             self.at(t + self.s.training.sync_s, _OTHER, self._publish, p, close.version)
+            if self.norm_sq is not None:  # the daemon's merge reports it (sooner: no matter)
+                policy.record_merge(p, close.version, self._merged_norm_sq(close))
         deadline = policy.next_deadline()
         if deadline is not None and deadline < self.timer_at:
             self.timer_at = max(deadline, t)
             self.at(self.timer_at, _OTHER, self._timer)
+
+    def _merged_norm_sq(self, close: RoundClose) -> float:
+        """‖Δ̄‖² of a round under the noise model: each contribution g + ε_i with
+        ‖g‖² = 1 and E‖ε_i‖² = ν, so the weighted mean has 1 + ν·Σw²/(Σw)²."""
+        weights = [c.weight for c in close.manifest if c.weight > 0]
+        total = sum(weights)
+        if total <= 0:
+            return math.nan
+        return 1.0 + self.s.training.noise_ratio * sum(w * w for w in weights) / total ** 2
 
     def _publish(self, t: float, p: int, version: int) -> None:
         """The committed version is durable and served; waiting pulls get it."""
@@ -724,4 +748,6 @@ class FtsyncRun:
             useful_chip_s=self.useful, allocated_chip_s=allocated, run_s=self.run_end,
             failures=self.failures, commits=float(commits.size),
             contributions=self.contributions, merged=self.merged, dropped=dict(self.dropped),
+            mean_staleness=self.staleness_sum / self.merged if self.merged else 0.0,
+            mean_quorum=self.quorum_sum / self.rounds if self.rounds else 0.0,
             lost_in_flight=self.lost_in_flight, events=self.events)

@@ -35,6 +35,10 @@ class Result:
     merged: float = 0.0
     dropped: dict[str, float] = field(default_factory=dict)
     lost_in_flight: float = 0.0
+    # Versions behind of the merged contributions, and the quorum the rounds
+    # needed (with min_quorum "auto", what it chose), both means over the run.
+    mean_staleness: float = 0.0
+    mean_quorum: float = 0.0
     replicas: int = 1
     goodput_sd: float = 0.0
     uptime_sd: float = 0.0
@@ -71,7 +75,8 @@ def combine(results: Sequence[Result]) -> Result:
         useful_chip_s=mean("useful_chip_s"), allocated_chip_s=mean("allocated_chip_s"),
         run_s=mean("run_s"), failures=mean("failures"), commits=mean("commits"),
         contributions=mean("contributions"), merged=mean("merged"), dropped=dropped,
-        lost_in_flight=mean("lost_in_flight"), replicas=n, goodput_sd=sd("goodput"),
+        lost_in_flight=mean("lost_in_flight"), mean_staleness=mean("mean_staleness"),
+        mean_quorum=mean("mean_quorum"), replicas=n, goodput_sd=sd("goodput"),
         uptime_sd=sd("uptime"), events=sum(r.events for r in results),
         wall_s=sum(r.wall_s for r in results))
 

@@ -15,6 +15,7 @@ to the synchronizer as one learner.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class ClusterSpec:
     # standard normal, redrawn when a chip is replaced. A data-parallel group
     # steps at the pace of its slowest chip.
     speed_sigma: float = 0.0
+    # Each learner's own speed (1: nominal, 0.5: half), one per learner, on top of
+    # its chips' (heterogeneous learners, as experiments/heterogeneous.toml has
+    # them); empty: all nominal.
+    learner_speeds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.chips < 1:
@@ -52,6 +57,12 @@ class ClusterSpec:
                              f"(got {self.learners} for {self.chips} chips)")
         if self.speed_sigma < 0:
             raise ValueError(f"cluster.speed_sigma must be >= 0 (got {self.speed_sigma})")
+        if self.learner_speeds and len(self.learner_speeds) != self.learners:
+            raise ValueError(f"cluster.learner_speeds needs one speed per learner "
+                             f"({self.learners}), got {len(self.learner_speeds)}")
+        if not all(0 < v < math.inf for v in self.learner_speeds):
+            raise ValueError(f"cluster.learner_speeds must all be > 0 and finite "
+                             f"(got {self.learner_speeds})")
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,10 @@ class TrainingSpec:
     # work, as in the real learner), then flushing pushes, then exiting.
     finish_s: float = 0.0
     exit_s: float = 0.0
+    # The gradient noise of one contribution, ν = E‖ε‖²/‖g‖² (the simulator has no
+    # loss: each contribution's Σ Δ² is 1 + ν and a merge of weights w has
+    # 1 + ν·Σw²/(Σw)²), which min_quorum = "auto" measures; 0: no norms reported.
+    noise_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("sync_every", "fragments", "overlap", "progress_every"):
@@ -158,6 +173,9 @@ class TrainingSpec:
                 raise ValueError(f"training.{key} must be >= 0 (got {getattr(self, key)})")
         if self.steps < 0:
             raise ValueError(f"training.steps must be >= 0 (got {self.steps})")
+        if not 0 <= self.noise_ratio < math.inf:
+            raise ValueError(f"training.noise_ratio must be >= 0 and finite "
+                             f"(got {self.noise_ratio})")
 
 
 @dataclass(frozen=True)

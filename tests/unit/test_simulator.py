@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -334,6 +334,12 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("duration_s = 5000", 'duration_s = "long"', ["duration_s must be float", "line 2"]),
     ("[sweep]", '[policy]\nmin_quorum = 0\n\n[sweep]', ["policy.min_quorum", "line 13"]),
     ("[sweep]", '[failures.x]\n[sweep]', ["unknown key 'failures.x'"]),
+    ("learners = 2", "learners = 2\nlearner_speeds = [1.0]",
+     ["cluster.learner_speeds needs one speed per learner (2), got 1"]),
+    ("learners = 2", "learners = 2\nlearner_speeds = [1.0, 0.0]",
+     ["cluster.learner_speeds must all be > 0"]),
+    ("[sweep]", "[training]\nnoise_ratio = -1\n\n[sweep]",
+     ["training.noise_ratio must be >= 0"]),
 ])
 def test_bad_scenarios_name_key_and_line(tmp_path: Path, old: str, new: str,
                                          needles: list[str]) -> None:
@@ -347,6 +353,35 @@ def test_a_missing_replay_file_is_named(tmp_path: Path) -> None:
     message = error_of(tmp_path, SMALL.replace("restart_s = 100",
                                                'restart_s = 100\nreplay = "nope.toml"'))
     assert "failures.replay" in message and "nope.toml" in message
+
+
+def heterogeneous(speeds: list[float], noise: float, quorum: int | Literal["auto"]) -> Result:
+    s = scenario(chips=4, learners=4, duration_s=4_000.0,
+                 cluster=ClusterSpec(chips=4, learners=4, learner_speeds=speeds))
+    s = with_training(s, noise_ratio=noise)
+    return simulate(with_policy(s, min_quorum=quorum, grace_max_s=5.0, max_staleness=32))
+
+
+def test_slow_learners_make_merged_work_staler_and_a_full_quorum_fresher() -> None:
+    speeds = [1.0, 1.0, 0.5, 0.25]
+    equal = heterogeneous([1.0] * 4, 2.0, 1)
+    any_one, everyone = heterogeneous(speeds, 2.0, 1), heterogeneous(speeds, 2.0, 4)
+    assert equal.mean_staleness < 0.05  # in step: each round gathers all four anyway
+    assert any_one.mean_staleness > 1.0 > everyone.mean_staleness
+    assert everyone.mean_quorum == 4 and any_one.mean_quorum == 1
+
+
+def test_the_automatic_quorum_waits_for_more_when_noise_dominates_fewer_when_some_are_slow(
+        ) -> None:
+    """The simulator feeds the policy norms from its noise model, so the production
+    estimator chooses K here as it does in the daemon."""
+    speeds = [1.0, 1.0, 0.5, 0.25]
+    assert heterogeneous([1.0] * 4, 2.0, "auto").mean_quorum > 3.9
+    quiet, noisy = heterogeneous(speeds, 0.25, "auto"), heterogeneous(speeds, 16.0, "auto")
+    assert 1.5 < quiet.mean_quorum < noisy.mean_quorum < 3.5
+    assert noisy.mean_staleness < quiet.mean_staleness
+    # Without norms (noise_ratio 0) it never measures the noise: it waits for two.
+    assert abs(heterogeneous(speeds, 0.0, "auto").mean_quorum - 2.0) < 0.05
 
 
 def test_a_sweep_makes_a_table(tmp_path: Path) -> None:
