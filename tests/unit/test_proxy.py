@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import math
 import os
 import random
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -547,17 +550,33 @@ def test_mirrored_ports_of_the_upstream_host_cross_the_same_link() -> None:
     asyncio.run(scenario())
 
 
-def test_a_link_fault_heals_back_to_the_experiments_link() -> None:
-    from chaos.cluster import Cluster
+QUICKSTART = Path(__file__).parents[2] / "experiments" / "quickstart.toml"
+
+
+def test_a_link_fault_heals_back_to_the_experiments_link(tmp_path: Path) -> None:
+    """Through the harness's fault table: a latency or bandwidth fault on a learner's
+    proxy, then its heal, which goes back to the experiment's own link, not to none."""
+    from chaos.cluster import make_cluster
+    from chaos.experiment import Action, FaultSpec, load_experiment
 
     link = LinkSpec(latency_ms=25, bandwidth_bytes_s=12_500_000)
+    experiment = dataclasses.replace(load_experiment(QUICKSTART), link=link)
+    cluster = make_cluster(experiment, tmp_path)
+    slot = cluster.learners[0]
+    latency = FaultSpec("latency", target=slot.learner_id, at_s=1, latency_ms=200)
+    bandwidth = FaultSpec("bandwidth", target=slot.learner_id, at_s=1, bandwidth_bytes_s=1000)
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo) as echo, \
             ThreadedProxy(f"127.0.0.1:{echo.server_address[1]}", link=link) as proxy:
-        assert Cluster._network(proxy, "latency", False, 200, 0, link) == "200 ms"
-        assert Cluster._network(proxy, "bandwidth", False, 0, 1000, link) == "1000 B/s"
+        slot.proxy = proxy
+        for fault in (latency, bandwidth):
+            cluster.apply(Action(1, fault, slot.learner_id, heal=False, occurrence=0))
         assert proxy.describe()["latency_ms"] == 200
         assert proxy.describe()["bandwidth_bytes_per_s"] == 1000
-        Cluster._network(proxy, "latency", True, 200, 0, link)
-        Cluster._network(proxy, "bandwidth", True, 0, 1000, link)
+        for fault in (latency, bandwidth):
+            cluster.apply(Action(2, fault, slot.learner_id, heal=True, occurrence=0))
         assert proxy.describe()["latency_ms"] == 25
         assert proxy.describe()["bandwidth_bytes_per_s"] == 12_500_000
+    cluster.events.close()
+    details = [json.loads(line)["detail"] for line in
+               (tmp_path / "harness.events.jsonl").read_text().splitlines()]
+    assert details == ["200 ms", "1000 B/s", "", ""]
