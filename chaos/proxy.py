@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from protos.settings import check
+
 __all__ = ["DelayLine", "FaultProxy", "LinkSpec", "ProxyStats", "ThreadedProxy",
            "TokenBucket", "control", "listening_ports", "parse_address"]
 
@@ -118,11 +120,12 @@ class LinkSpec:
     bandwidth_bytes_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
-            raise ValueError(f"latency_ms must be >= 0 and finite (got {self.latency_ms})")
-        if not (math.isfinite(self.bandwidth_bytes_s) and self.bandwidth_bytes_s >= 0):
-            raise ValueError(f"bandwidth_bytes_s must be >= 0 and finite, 0 for no cap "
-                             f"(got {self.bandwidth_bytes_s})")
+        check(self, [
+            (math.isfinite(self.latency_ms) and self.latency_ms >= 0, "latency_ms",
+             "must be >= 0 and finite"),
+            (math.isfinite(self.bandwidth_bytes_s) and self.bandwidth_bytes_s >= 0,
+             "bandwidth_bytes_s", "must be >= 0 and finite, 0 for no cap"),
+        ])
 
     @property
     def bandwidth(self) -> float | None:

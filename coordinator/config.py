@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from coordinator.policy import PolicyConfig
+from protos.settings import check
 from protos.tls import TlsConfig
 
 T = TypeVar("T")
@@ -52,10 +53,8 @@ class OuterConfig:
         return dataclasses.replace(self, lr=self.lr * scale, momentum=self.momentum * scale)
 
     def __post_init__(self) -> None:
-        if not 0 < self.lr < math.inf:
-            raise ValueError(f"outer.lr must be > 0 and finite (got {self.lr})")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"outer.momentum must be in [0, 1) (got {self.momentum})")
+        check(self, [(0 < self.lr < math.inf, "lr", "must be > 0 and finite"),
+                     (0 <= self.momentum < 1, "momentum", "must be in [0, 1)")], "outer.")
 
 
 @dataclass(frozen=True)
@@ -78,18 +77,14 @@ class LimitsConfig:
     max_params: int = 0
 
     def __post_init__(self) -> None:
-        if not self.norm_bound >= 0:  # NaN too: it would switch the bound off
-            raise ValueError(f"limits.norm_bound must be >= 0 (got {self.norm_bound})")
-        if self.max_params < 0:
-            raise ValueError(f"limits.max_params must be >= 0 (got {self.max_params})")
-        if not MIB <= self.chunk_bytes <= 4 * MIB:
-            raise ValueError(f"limits.chunk_bytes must be in [1 MiB, 4 MiB] "
-                             f"(got {self.chunk_bytes})")
-        if self.staging_bytes < 0:
-            raise ValueError(f"limits.staging_bytes must be >= 0 (got {self.staging_bytes})")
-        if not 0 < self.push_idle_s < math.inf:
-            raise ValueError(f"limits.push_idle_s must be > 0 and finite "
-                             f"(got {self.push_idle_s})")
+        check(self, [
+            # NaN fails too: it would switch the bound off.
+            (self.norm_bound >= 0, "norm_bound", "must be >= 0"),
+            (self.max_params >= 0, "max_params", "must be >= 0"),
+            (MIB <= self.chunk_bytes <= 4 * MIB, "chunk_bytes", "must be in [1 MiB, 4 MiB]"),
+            (self.staging_bytes >= 0, "staging_bytes", "must be >= 0"),
+            (0 < self.push_idle_s < math.inf, "push_idle_s", "must be > 0 and finite"),
+        ], "limits.")
 
 
 @dataclass(frozen=True)
@@ -104,9 +99,8 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.prometheus_listen:
             self.prometheus_address()
-        if not self.console_interval_s >= 0:
-            raise ValueError(f"metrics.console_interval_s must be >= 0 "
-                             f"(got {self.console_interval_s})")
+        check(self, [(self.console_interval_s >= 0, "console_interval_s", "must be >= 0")],
+              "metrics.")
 
     def prometheus_address(self) -> tuple[str, int]:
         """(host, port) of `prometheus_listen`; ValueError if it is neither HOST:PORT
@@ -167,17 +161,14 @@ class HaConfig:
         for endpoint in self.etcd:
             if not re.fullmatch(r"[^\s:,]+:\d+", endpoint):
                 raise ValueError(f"ha.etcd entries must be HOST:PORT (got {endpoint!r})")
-        if not re.fullmatch(r"[\w.-]+", self.run):
-            raise ValueError(f"ha.run must be letters, digits, '.', '_' or '-' "
-                             f"(got {self.run!r})")
-        if self.advertise and not re.fullmatch(r"[^\s:]+:\d+", self.advertise):
-            raise ValueError(f"ha.advertise must be HOST:PORT (got {self.advertise!r})")
-        if self.lease_ttl_s < 2:
-            raise ValueError(f"ha.lease_ttl_s must be at least 2 (etcd's smallest lease) "
-                             f"(got {self.lease_ttl_s})")
-        if self.replication_timeout_s <= 0:
-            raise ValueError(f"ha.replication_timeout_s must be > 0 "
-                             f"(got {self.replication_timeout_s})")
+        check(self, [
+            (bool(re.fullmatch(r"[\w.-]+", self.run)), "run",
+             "must be letters, digits, '.', '_' or '-'"),
+            (not self.advertise or bool(re.fullmatch(r"[^\s:]+:\d+", self.advertise)),
+             "advertise", "must be HOST:PORT"),
+            (self.lease_ttl_s >= 2, "lease_ttl_s", "must be at least 2 (etcd's smallest lease)"),
+            (self.replication_timeout_s > 0, "replication_timeout_s", "must be > 0"),
+        ], "ha.")
 
     @property
     def enabled(self) -> bool:
@@ -211,16 +202,15 @@ class CoordinatorConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
-        if (not re.fullmatch(r"[^\s:]*:\d+", self.listen)
-                or int(self.listen.rsplit(":", 1)[1]) > 65535):
-            raise ValueError(f"listen must be HOST:PORT with a port up to 65535 "
-                             f"(got {self.listen!r})")
-        # Learners are told it in milliseconds as a 32-bit field.
-        if not 0 < self.heartbeat_interval_ms <= 3_600_000:
-            raise ValueError(f"heartbeat_interval_ms must be in (0, 3600000] "
-                             f"(got {self.heartbeat_interval_ms})")
-        if not 0 <= self.bulk_port <= 65535:
-            raise ValueError(f"bulk_port must be in [0, 65535] (got {self.bulk_port})")
+        check(self, [
+            (bool(re.fullmatch(r"[^\s:]*:\d+", self.listen))
+             and int(self.listen.rsplit(":", 1)[1]) <= 65535,
+             "listen", "must be HOST:PORT with a port up to 65535"),
+            # Learners are told it in milliseconds as a 32-bit field.
+            (0 < self.heartbeat_interval_ms <= 3_600_000, "heartbeat_interval_ms",
+             "must be in (0, 3600000]"),
+            (0 <= self.bulk_port <= 65535, "bulk_port", "must be in [0, 65535]"),
+        ])
 
     def tokens(self) -> dict[str, str]:
         """Configured tokens, those of tokens_file included."""

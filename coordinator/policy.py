@@ -44,6 +44,7 @@ from typing import Literal
 from coordinator.errors import Reason, Rejected
 from coordinator.membership import HeartbeatTable, Membership
 from protos.metadata import MERGED_SEQ
+from protos.settings import check
 
 MergeRule = Literal["mean", "rda"]
 # Why a round closed: every live learner had contributed, its grace window ran
@@ -99,9 +100,7 @@ class PolicyConfig:
             (self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", "must be > 0"),
             (self.default_overlap_steps >= 1, "default_overlap_steps", "must be >= 1"),
         ]
-        for ok, key, problem in checks:
-            if not ok:
-                raise ValueError(f"policy.{key} {problem} (got {getattr(self, key)!r})")
+        check(self, checks, "policy.")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from protos import peer_pb2_grpc as peer_grpc
 from protos.bulk import BulkPool, BulkServer, BulkUnreachable, Grant, Handoff, Tickets, send_frames
 from protos.codec import FP32, MESSAGE_SIZE_OPTIONS, iter_chunk_messages
 from protos.events import EventLog
+from protos.settings import check
 from protos.stream import ChunkReader
 from protos.tls import (
     TlsError,
@@ -119,13 +120,11 @@ class PeerSettings:
     insecure: bool = False
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"peer transport must be one of {', '.join(TRANSPORTS)}, "
-                             f"got {self.transport!r}")
         for address in (*self.peers, *([self.serve] if self.serve else [])):
             split_address(address)
-        if self.concurrency < 1:
-            raise ValueError(f"peer concurrency must be >= 1, got {self.concurrency}")
+        check(self, [(self.transport in TRANSPORTS, "transport",
+                      f"must be one of {', '.join(TRANSPORTS)}"),
+                     (self.concurrency >= 1, "concurrency", "must be >= 1")], "peer ")
 
 
 # -- what a learner holds ---------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Literal
 
 from coordinator.config import ConfigError, load
 from coordinator.policy import PolicyConfig
+from protos.settings import check
 
 Method = Literal["ftsync", "dp", "elastic-dp"]
 YEAR_S = 365.0 * 86400.0
@@ -50,19 +51,16 @@ class ClusterSpec:
     learner_speeds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.chips < 1:
-            raise ValueError(f"cluster.chips must be at least 1 (got {self.chips})")
-        if not 1 <= self.learners <= self.chips:
-            raise ValueError(f"cluster.learners must be in [1, cluster.chips] "
-                             f"(got {self.learners} for {self.chips} chips)")
-        if self.speed_sigma < 0:
-            raise ValueError(f"cluster.speed_sigma must be >= 0 (got {self.speed_sigma})")
-        if self.learner_speeds and len(self.learner_speeds) != self.learners:
-            raise ValueError(f"cluster.learner_speeds needs one speed per learner "
-                             f"({self.learners}), got {len(self.learner_speeds)}")
-        if not all(0 < v < math.inf for v in self.learner_speeds):
-            raise ValueError(f"cluster.learner_speeds must all be > 0 and finite "
-                             f"(got {self.learner_speeds})")
+        check(self, [
+            (self.chips >= 1, "chips", "must be at least 1"),
+            (1 <= self.learners <= self.chips, "learners",
+             f"must be in [1, cluster.chips] ({self.chips} chips)"),
+            (self.speed_sigma >= 0, "speed_sigma", "must be >= 0"),
+            (not self.learner_speeds or len(self.learner_speeds) == self.learners,
+             "learner_speeds", f"needs one speed per learner ({self.learners})"),
+            (all(0 < v < math.inf for v in self.learner_speeds), "learner_speeds",
+             "must all be > 0 and finite"),
+        ], "cluster.")
 
 
 @dataclass(frozen=True)
@@ -79,9 +77,8 @@ class HostSpec:
     background: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.cores < 0 or self.background < 0:
-            raise ValueError(f"host.cores and host.background must be >= 0 "
-                             f"(got {self.cores}, {self.background})")
+        check(self, [(self.cores >= 0, "cores", "must be >= 0"),
+                     (self.background >= 0, "background", "must be >= 0")], "host.")
 
 
 @dataclass(frozen=True)
@@ -116,12 +113,11 @@ class FailureSpec:
     replay_offset_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mtbf_chip_s <= 0:
-            raise ValueError(f"failures.mtbf_chip_s must be > 0 (got {self.mtbf_chip_s})")
-        for key in ("restart_s", "startup_s", "startup_sigma", "catchup_s", "reform_s",
-                    "checkpoint_every_s", "replay_offset_s"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"failures.{key} must be >= 0 (got {getattr(self, key)})")
+        check(self, [(self.mtbf_chip_s > 0, "mtbf_chip_s", "must be > 0"),
+                     *((getattr(self, key) >= 0, key, "must be >= 0")
+                       for key in ("restart_s", "startup_s", "startup_sigma", "catchup_s",
+                                   "reform_s", "checkpoint_every_s", "replay_offset_s"))],
+              "failures.")
 
     @property
     def first_startup_s(self) -> float:
@@ -163,19 +159,15 @@ class TrainingSpec:
     noise_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("sync_every", "fragments", "overlap", "progress_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"training.{key} must be at least 1 (got {getattr(self, key)})")
-        if self.step_s <= 0:
-            raise ValueError(f"training.step_s must be > 0 (got {self.step_s})")
-        for key in ("push_s", "sync_s", "pull_s", "pull_wait_s", "finish_s", "exit_s"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"training.{key} must be >= 0 (got {getattr(self, key)})")
-        if self.steps < 0:
-            raise ValueError(f"training.steps must be >= 0 (got {self.steps})")
-        if not 0 <= self.noise_ratio < math.inf:
-            raise ValueError(f"training.noise_ratio must be >= 0 and finite "
-                             f"(got {self.noise_ratio})")
+        check(self, [
+            *((getattr(self, key) >= 1, key, "must be at least 1")
+              for key in ("sync_every", "fragments", "overlap", "progress_every")),
+            (self.step_s > 0, "step_s", "must be > 0"),
+            *((getattr(self, key) >= 0, key, "must be >= 0")
+              for key in ("push_s", "sync_s", "pull_s", "pull_wait_s", "finish_s", "exit_s",
+                          "steps")),
+            (0 <= self.noise_ratio < math.inf, "noise_ratio", "must be >= 0 and finite"),
+        ], "training.")
 
 
 @dataclass(frozen=True)
@@ -199,9 +191,8 @@ class SweepSpec:
             if match is None or (match.group(2) or match.group(3) or "1") == "0":
                 raise ValueError(f"sweep.methods: entry {i}, {method!r}, is not 'dp', "
                                  f"'elastic-dp', 'ftsync:M' or 'elastic-ftsync:M' (M >= 1)")
-        if not 0 <= self.quorum_fraction <= 1:
-            raise ValueError(f"sweep.quorum_fraction must be in [0, 1] "
-                             f"(got {self.quorum_fraction})")
+        check(self, [(0 <= self.quorum_fraction <= 1, "quorum_fraction", "must be in [0, 1]")],
+              "sweep.")
 
 
 @dataclass(frozen=True)
@@ -224,12 +215,9 @@ class Scenario:
     sweep: SweepSpec = field(default_factory=SweepSpec)
 
     def __post_init__(self) -> None:
-        if self.duration_s <= 0:
-            raise ValueError(f"duration_s must be > 0 (got {self.duration_s})")
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be at least 1 (got {self.replicas})")
-        if self.uptime_window_s <= 0:
-            raise ValueError(f"uptime_window_s must be > 0 (got {self.uptime_window_s})")
+        check(self, [(self.duration_s > 0, "duration_s", "must be > 0"),
+                     (self.replicas >= 1, "replicas", "must be at least 1"),
+                     (self.uptime_window_s > 0, "uptime_window_s", "must be > 0")])
         for chips in self.sweep.chips:
             for method in self.sweep.methods:
                 m = method_learners(method)

@@ -335,7 +335,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("[sweep]", '[policy]\nmin_quorum = 0\n\n[sweep]', ["policy.min_quorum", "line 13"]),
     ("[sweep]", '[failures.x]\n[sweep]', ["unknown key 'failures.x'"]),
     ("learners = 2", "learners = 2\nlearner_speeds = [1.0]",
-     ["cluster.learner_speeds needs one speed per learner (2), got 1"]),
+     ["cluster.learner_speeds needs one speed per learner (2) (got [1.0])"]),
     ("learners = 2", "learners = 2\nlearner_speeds = [1.0, 0.0]",
      ["cluster.learner_speeds must all be > 0"]),
     ("[sweep]", "[training]\nnoise_ratio = -1\n\n[sweep]",
