@@ -17,7 +17,9 @@ The machine does no I/O and reads no clock: the streaming runtime
 (`learner.streaming.FragmentSync`), the Flower adapter (`learner.flower`) and
 the simulator (`chaos.sim`) feed it events (`step`, `acked`, `refused`,
 `pulled`, `published`) and carry out the actions it returns (`Push`, `Pull`,
-`Apply`, `FallBack`) in order. What an apply keeps of the local steps since
+`Apply`, `FallBack`) in order; the Flower adapter steps once per fit and,
+before the next fit, waits for every answer and applies what came
+(`unanswered`, `apply_now`). What an apply keeps of the local steps since
 the push (`ApplyRule`) is decided here too, so all three drivers count the
 same work as kept or lost.
 """
@@ -96,6 +98,7 @@ TRANSITIONS: Mapping[tuple[Phase, Event], Phase] = {
     (Phase.READY, Event.APPLY): Phase.IDLE,
 }
 _PULLING = frozenset({Phase.OWN, Phase.FALLBACK, Phase.LOST})
+_UNANSWERED = _PULLING | {Phase.ACKING}
 # Waiting for its own version: falls back when that is late.
 _LATE_ABLE = frozenset({Phase.ACKING, Phase.OWN})
 
@@ -299,6 +302,18 @@ class Schedule:
                 self._check_history(p, f, k, actions)
         return actions
 
+    def apply_now(self) -> list[Action]:
+        """Apply every pulled version at the current step instead of at its own
+        apply step. For a driver whose next step must start from this one's merge
+        and that waits for `unanswered` to empty first: the Flower adapter, where a
+        step is a whole fit and the next fit trains on the merged fragments."""
+        actions: list[Action] = []
+        for p, f in enumerate(self.fragments):
+            if f.phase == _READY:
+                self._apply(p, f, actions)
+        self._next = None
+        return actions
+
     def flush(self) -> list[Action]:
         """Pushes of the work not yet pushed (closing: nothing more is pulled)."""
         actions: list[Action] = []
@@ -370,6 +385,11 @@ class Schedule:
         """The steps and tokens of fragment p's work not yet pushed (nor discarded)."""
         f = self._fragment(p)
         return self.step_count - f.step_mark, self._tokens - f.token_mark
+
+    def unanswered(self) -> list[int]:
+        """The fragments whose push or pull is still to be answered (`acked` or
+        `refused`, `pulled`)."""
+        return [p for p, f in enumerate(self.fragments) if f.phase in _UNANSWERED]
 
     def waits_at(self, k: int) -> list[int]:
         """Lock-step: the fragments whose pull result `step(k)` needs first (the

@@ -6,8 +6,10 @@ apply it, fall-backs and lost versions are the pure schedule's decisions
 (`learner.schedule`); this module is its shell: it feeds the schedule the
 steps, the acks, the pull results and the published versions, and carries out
 the pushes, pulls and applies it returns, never blocking the loop on the
-network (except in lock-step). A background thread runs the gRPC client's
-event loop, the heartbeat and the pushes and pulls, through bounded queues.
+network (except in lock-step, and in `merge`, which the Flower adapter calls
+between fits so that each starts from the last one's merge). A background
+thread runs the gRPC client's event loop, the heartbeat and the pushes and
+pulls, through bounded queues.
 Parameters are seen as flat fp32 vectors through `read`/`write` callbacks, so
 numpy and torch models share this.
 
@@ -159,8 +161,10 @@ class FragmentSync:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ftsync-client",
                                         daemon=True)
         self._sends: asyncio.Queue[_Outgoing] | None = None
-        # Time the training loop spent waiting for merges (lock-step only): not work.
+        # Time the training loop spent waiting for merges (lock-step, `merge`): not work.
         self._blocked_s = 0.0
+        # Pulls that waited `pull_wait_s` and brought nothing.
+        self.pull_timeouts = 0
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -346,11 +350,30 @@ class FragmentSync:
                 if p < len(self.fragments):
                     self.schedule.published(p, version, commit_id)
             if self.schedule.waits_at(k):
-                waited_from = time.monotonic()
-                self._changed.wait_for(lambda: not self.schedule.waits_at(k))
-                self._blocked_s += time.monotonic() - waited_from
+                self._wait_for(lambda: not self.schedule.waits_at(k))
             actions = self.schedule.step(k, tokens)
         return self._carry_out(actions)
+
+    def merge(self) -> list[int]:
+        """Wait until every push and pull so far is answered (each pull waits at
+        most `pull_wait_s`), then apply what the pulls brought at once: for a
+        driver whose next step starts from this step's merge (the Flower adapter,
+        whose step is a whole fit). Returns the fragments applied."""
+        if self._sends is None or self._stopping:
+            raise RuntimeError("merge() needs a started learner that is not closed")
+        with self._lock:
+            self._wait_for(lambda: not self.schedule.unanswered())
+            actions = self.schedule.apply_now()
+        return self._carry_out(actions)
+
+    def _wait_for(self, done: Callable[[], bool]) -> None:
+        """Block the training thread (holding `_lock`) until the loop has fed the
+        schedule what `done` needs; the time blocked is not work. Waits in short
+        slices, so that a signal (Ctrl-C) is handled while it waits."""
+        waited_from = time.monotonic()
+        while not self._changed.wait_for(done, _SIGNAL_CHECK_S):
+            pass
+        self._blocked_s += time.monotonic() - waited_from
 
     @property
     def backlog(self) -> int:
@@ -429,6 +452,10 @@ class FragmentSync:
             try:
                 pulled = await self.client.pull_newer(pull.p, pull.newer_than,
                                                       self.settings.pull_wait_s)
+                if pulled is None:  # the schedule decides what the learner does now
+                    self.pull_timeouts += 1
+                    self.client.events.emit("pull_timeout", learner=self.client.learner_id,
+                                            fragment=pull.p, have_version=pull.newer_than)
             except Exception as exc:  # the schedule pulls again at the next push
                 self.client.events.emit("pull_failed", learner=self.client.learner_id,
                                         fragment=pull.p, error=str(exc)[:200])

@@ -125,6 +125,28 @@ def test_lockstep_waits_instead_of_falling_back_and_resumes_in_phase() -> None:
     assert schedule.waits_at(17) == [1]
 
 
+def test_a_driver_that_waits_applies_each_merge_before_the_next_step() -> None:
+    """The Flower adapter's use: H = 1, so every fragment is pushed at every step (a
+    fit); once the answers are in, what came is applied before the next fit."""
+    schedule = Schedule(ScheduleConfig(sync_every=1, fragments=2))
+    schedule.start({0: 0, 1: 0}, {0: 1, 1: 1})
+    pushes = [a for a in schedule.step(1, 10) if isinstance(a, Push)]
+    assert [(a.p, a.base, a.tokens, a.steps) for a in pushes] == [(0, 0, 10, 1), (1, 0, 10, 1)]
+    assert schedule.unanswered() == [0, 1]
+    [pull_0] = schedule.acked(0, 1, pushes[0].ticket)
+    [pull_1] = schedule.acked(1, None, pushes[1].ticket)  # not acknowledged: the newest
+    assert (pull_0.newer_than, pull_1.newer_than) == (0, 0)
+    schedule.pulled(0, 1, 5, pull_0.ticket)
+    assert schedule.unanswered() == [1]
+    schedule.pulled(1, None, 0, pull_1.ticket)  # none came within the pull's wait
+    assert schedule.unanswered() == []
+    assert schedule.apply_now() == [Apply(0, 1, 0.0, False)]
+    assert schedule.apply_now() == [] and schedule.versions() == {0: 1, 1: 0}
+    # The next fit's pushes: fragment 0 from the merged version, fragment 1 from its own.
+    assert [(a.p, a.base, a.steps) for a in schedule.step(2, 10) if isinstance(a, Push)] == [
+        (0, 1, 1), (1, 0, 1)]
+
+
 def test_stale_answers_are_ignored() -> None:
     schedule = started()
     push = next(a for a in run_to(schedule, 4) if isinstance(a, Push) and a.p == 0)
@@ -295,6 +317,14 @@ class ScheduleMachine(RuleBasedStateMachine):
         else:
             r.result = (version, commit, rewound)
 
+    @rule()
+    def apply_now(self) -> None:
+        want: list[Action] = []
+        for p, r in enumerate(self.ref):
+            if r.result is not None:
+                self.ref_apply(p, r, want)
+        assert [shape(a) for a in self.schedule.apply_now()] == [shape(a) for a in want]
+
     @rule(p=st.integers(0, 1), version=st.integers(0, 8), commit=st.integers(0, 3))
     def heartbeat(self, p: int, version: int, commit: int) -> None:
         self.schedule.published(p, version, commit)
@@ -303,6 +333,11 @@ class ScheduleMachine(RuleBasedStateMachine):
     @invariant()
     def same_versions(self) -> None:
         assert self.schedule.versions() == {p: r.base for p, r in enumerate(self.ref)}
+
+    @invariant()
+    def unanswered_are_the_requests_without_a_result(self) -> None:
+        assert self.schedule.unanswered() == [
+            p for p, r in enumerate(self.ref) if r.waiting is not None and r.result is None]
 
     @invariant()
     def every_step_is_pushed_discarded_or_still_held(self) -> None:
