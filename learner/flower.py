@@ -1,14 +1,17 @@
 """Run an unchanged Flower client as an ftsync learner.
 
-A Flower client trains in rounds: it is handed the global parameters, fits
+A Flower client trains in fits: it is handed the global parameters, fits
 them on its own data and returns new parameters with the number of examples
 it used. Here each fit is one outer step of a learner: its parameter list
-(the floating-point arrays of it) is bin-packed into fragments, and after
-each fit the outer gradient `Δ = Θ_base − θ` of every fragment goes to the
-synchronizer with `c_tokens = num_examples` and `c_steps = 1`; the next fit
-starts from the merged fragments (or, if no newer version came within the
-pull wait, from the learner's own parameters, and the next push carries the
-next fit's progress only, as the streaming runtime's does).
+(the floating-point arrays of it) is bin-packed into fragments, and each fit
+is one step of the learner's schedule (`learner.schedule`, H = 1) driven
+through the streaming runtime's shell (`learner.streaming.FragmentSync`):
+after each fit the outer gradient `Δ = Θ_base − θ` of every fragment goes to
+the synchronizer with `c_tokens = num_examples` and `c_steps = 1`, and the
+next fit starts from the merged fragments (or, where no newer version came
+within the pull wait, from the learner's own parameters, and the next push
+carries the next fit's progress only). A fit with no examples has nothing to
+weigh it by and is not pushed; the learner takes the newest version instead.
 
 Three client shapes run unchanged: a `NumPyClient`, a legacy `Client`
 (e.g. `NumPyClient.to_client()`), and a Message-API `ClientApp` whose
@@ -18,14 +21,12 @@ strategies do, with the example count under `"num-examples"`. A `ClientApp`
 built from a legacy `client_fn` is not one of them: pass `client_fn(context)`
 to `run_numpy_client` instead.
 
-Called by user scripts and `tests/integration/test_flower.py`; it drives
-`learner.client.SynchronizerClient` on its own event loop.
+Called by user scripts and `tests/integration/test_flower.py`; the client's
+calls run on the calling thread, the network on `FragmentSync`'s loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import itertools
 import time
@@ -60,8 +61,9 @@ from flwr.common import (
     parameters_to_ndarrays,
 )
 
-from learner.client import Pulled, Retry, SynchronizerClient
+from learner.client import Retry, SynchronizerClient
 from learner.fragments import pack_balanced
+from learner.streaming import FragmentSync, SyncSettings
 from protos.events import EventLog
 from protos.tls import TlsConfig
 from protos.tls import load as load_tls
@@ -73,7 +75,8 @@ ARRAYS_KEY = "arrays"
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 NUM_EXAMPLES_KEY = "num-examples"
-ROUND_KEY = "server-round"
+# Flower's own name; each fit gets its number under it, as a server round would.
+SERVER_ROUND_KEY = "server-round"
 
 
 # -- the layout: which arrays travel in which fragment ----------------------------------
@@ -138,7 +141,7 @@ class ArrayLayout:
 # -- the client shapes ---------------------------------------------------------------------
 
 class Trainer(Protocol):
-    """What the round loop needs from a Flower client, whatever its API."""
+    """What the fit loop needs from a Flower client, whatever its API."""
 
     def initial(self, config: Metrics) -> NDArrays: ...
 
@@ -246,11 +249,11 @@ class ClientAppTrainer:
         names = list(self.initial_arrays.keys())
         record = ArrayRecord({name: Array(np.ascontiguousarray(a))
                               for name, a in zip(names, arrays, strict=True)})
-        round_ = config.get(ROUND_KEY, 0)
+        server_round = config.get(SERVER_ROUND_KEY, 0)
         metadata = Metadata(
             run_id=self.context.run_id, message_id=f"ftsync-{next(self._sent)}",
             src_node_id=0, dst_node_id=self.context.node_id, reply_to_message_id="",
-            group_id=str(round_), created_at=time.time(), ttl=DEFAULT_TTL,
+            group_id=str(server_round), created_at=time.time(), ttl=DEFAULT_TTL,
             message_type=message_type)
         content = RecordDict({ARRAYS_KEY: record, CONFIG_KEY: ConfigRecord(dict(config))})
         # This process plays the SuperNode, so the message carries the metadata a SuperNode
@@ -278,7 +281,7 @@ def _metrics(content: RecordDict) -> Metrics:
     return {k: v for k, v in record.items() if isinstance(v, int | float)}
 
 
-# -- the round loop ------------------------------------------------------------------------
+# -- the fit loop --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class FlowerRunSummary:
@@ -286,11 +289,12 @@ class FlowerRunSummary:
     evaluate on the first and last global parameters (None / {} when it
     does not evaluate); `versions` per fragment; `merged`/`dropped` count
     this learner's contributions as the coordinator settled them (dropped by
-    reason), `unsettled` those still unconfirmed at the end; `parameters`
-    is the final parameter list."""
+    reason), `unsettled` those still unconfirmed at the end; `pull_timeouts`
+    the pulls that brought no version within `pull_wait_s`; `parameters` is
+    the final parameter list."""
 
     learner_id: str
-    rounds: int
+    fits: int
     num_examples: int
     start_loss: float | None
     end_loss: float | None
@@ -308,7 +312,7 @@ class FlowerRunSummary:
 
 @dataclass(frozen=True)
 class RunSettings:
-    rounds: int
+    fits: int
     learner_id: str
     fragments: int = 1
     config: Metrics = field(default_factory=dict)
@@ -321,32 +325,32 @@ class RunSettings:
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
+        if self.fits < 1:
+            raise ValueError(f"fits must be at least 1, got {self.fits}")
         if self.pull_wait_s <= 0:
             raise ValueError(f"pull_wait_s must be positive, got {self.pull_wait_s}")
 
 
-def run_numpy_client(client: NumPyClient | Client, coordinator: str, *, rounds: int,
+def run_numpy_client(client: NumPyClient | Client, coordinator: str, *, fits: int,
                      learner_id: str, fragments: int = 1, config: Metrics | None = None,
                      token: str | None = None, compression: str = "fp32",
                      event_log: str = "", evaluate: bool = True, pull_wait_s: float = 60.0,
                      connect_timeout_s: float = 60.0,
                      tls: TlsConfig | None = None) -> FlowerRunSummary:
-    """Train `client` for `rounds` fits as learner `learner_id` of the run at
-    `coordinator`. Each fit gets `config` plus `"server-round"`; evaluation
+    """Train `client` for `fits` fits as learner `learner_id` of the run at
+    `coordinator`. Fit n gets `config` plus `"server-round": n`; evaluation
     (when `evaluate` and the client implements it) runs on the first and the
     last global parameters. Raises `learner.client.Refused` with the
     coordinator's message when it refuses the layout or the token."""
     trainer: Trainer = (NumPyTrainer(client) if isinstance(client, NumPyClient)
                         else LegacyClientTrainer(client))
     return run_trainer(trainer, coordinator, RunSettings(
-        rounds, learner_id, fragments, dict(config or {}), token, compression, event_log,
+        fits, learner_id, fragments, dict(config or {}), token, compression, event_log,
         evaluate, pull_wait_s, connect_timeout_s, tls))
 
 
 def run_client_app(app: ClientApp, coordinator: str, initial_arrays: ArrayRecord | NDArrays,
-                   *, rounds: int, learner_id: str, fragments: int = 1,
+                   *, fits: int, learner_id: str, fragments: int = 1,
                    config: Metrics | None = None, context: Context | None = None,
                    loss_key: str = "eval_loss", token: str | None = None,
                    compression: str = "fp32", event_log: str = "", evaluate: bool = True,
@@ -356,35 +360,34 @@ def run_client_app(app: ClientApp, coordinator: str, initial_arrays: ArrayRecord
     """Train a Message-API `ClientApp` as a learner. `initial_arrays` plays the
     ServerApp's `initial_arrays` (offered as version 0; the first learner's
     wins); `context` (one for the whole run, so `context.state` persists
-    across rounds) carries the `run_config` and `node_config` the app reads.
+    across fits) carries the `run_config` and `node_config` the app reads.
     The evaluate reply's loss is read from its metrics under `loss_key`."""
     record = (initial_arrays if isinstance(initial_arrays, ArrayRecord)
               else ArrayRecord(numpy_ndarrays=list(initial_arrays)))
     trainer = ClientAppTrainer(app, record, context or Context(
         run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), loss_key)
     return run_trainer(trainer, coordinator, RunSettings(
-        rounds, learner_id, fragments, dict(config or {}), token, compression, event_log,
+        fits, learner_id, fragments, dict(config or {}), token, compression, event_log,
         evaluate, pull_wait_s, connect_timeout_s, tls))
 
 
 def run_trainer(trainer: Trainer, coordinator: str, settings: RunSettings) -> FlowerRunSummary:
-    """The round loop for any client shape (blocking; runs its own event loop)."""
+    """The fit loop for any client shape (blocking; the client's calls run on the
+    calling thread)."""
     events = EventLog(settings.event_log, source=settings.learner_id)
     try:
-        return asyncio.run(_Rounds(trainer, coordinator, settings, events).run())
+        return _Fits(trainer, coordinator, settings, events).run()
     finally:
         events.close()
 
 
-@dataclass
-class _FragmentState:
-    base: np.ndarray
-    base_version: int
-    tokens: int = 0
-    steps: int = 0
+class _Fits:
+    """One learner's fits, driving the learner's schedule through the streaming
+    shell (`FragmentSync`) with one step per fit and H = 1: after each fit every
+    fragment is pushed, and `merge` waits for the versions that merge them and
+    applies them before the next fit (or, for a pull that brought nothing, the
+    next fit trains on from the learner's own parameters)."""
 
-
-class _Rounds:
     def __init__(self, trainer: Trainer, coordinator: str, settings: RunSettings,
                  events: EventLog) -> None:
         self.trainer = trainer
@@ -392,157 +395,79 @@ class _Rounds:
         self.events = events
         self.arrays = list(trainer.initial(dict(settings.config)))
         self.layout = ArrayLayout.plan(self.arrays, settings.fragments)
-        self.client = SynchronizerClient(
+        client = SynchronizerClient(
             coordinator, settings.learner_id, self.layout.hash, self.layout.numels,
             token=settings.token, codec=settings.compression,
             retry=Retry(give_up_after_s=settings.connect_timeout_s), events=events,
             tls=load_tls(settings.tls))
-        self.states: list[_FragmentState] = []
-        self.completed = 0
-        self.pull_timeouts = 0
+        # A fit's pushes are all sent before its merge is waited for: none is dropped.
+        self.sync = FragmentSync(client, SyncSettings(
+            sync_every=1, max_backlog=len(self.layout.fragments),
+            pull_wait_s=settings.pull_wait_s), self._read, self._write)
 
-    async def run(self) -> FlowerRunSummary:
-        beating: asyncio.Task[None] | None = None
-        reason = "done"
+    def _read(self, p: int) -> np.ndarray:
+        return self.layout.read(self.arrays, p)
+
+    def _write(self, p: int, values: np.ndarray) -> None:
+        self.layout.write(self.arrays, p, values)
+
+    def run(self) -> FlowerRunSummary:
+        # The join retries for up to connect_timeout_s, then the initial values may
+        # take as long (another learner still offering its own).
+        self.sync.start(timeout=2 * self.settings.connect_timeout_s)
         try:
-            await self._start()
-            beating = asyncio.create_task(self._heartbeats(), name="heartbeats")
-            return await self._rounds()
+            return self._fits()
         except BaseException as exc:
-            reason = f"error: {exc!r}"[:200]
+            # A learner that is gone must not hold the others' rounds.
+            self.sync.close(f"error: {exc!r}"[:200])
             raise
-        finally:
-            if beating is not None:
-                beating.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beating
-            if self.client.may_be_member:
-                # A learner that is gone must not hold the others' rounds.
-                await self.client.leave(reason)
-            await self.client.close()
 
-    async def _start(self) -> None:
-        response = await self.client.join()
-        for status in response.fragments:
-            if status.version < 0:
-                await self.client.push_initial(status.fragment,
-                                               self.layout.read(self.arrays, status.fragment))
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.settings.connect_timeout_s
-        snapshot: dict[int, Pulled] = {}
-        while len(snapshot) < len(self.layout.fragments):
-            snapshot = await self.client.snapshot()
-            if len(snapshot) < len(self.layout.fragments):
-                if loop.time() > give_up:
-                    raise TimeoutError("fragments still have no initial value after "
-                                       f"{self.settings.connect_timeout_s}s")
-                await asyncio.sleep(0.1)  # another learner is still pushing its init
-        for p in range(len(self.layout.fragments)):
-            pulled = snapshot[p]
-            self.layout.write(self.arrays, p, pulled.values)
-            self.states.append(_FragmentState(pulled.values.copy(), pulled.version))
-
-    async def _rounds(self) -> FlowerRunSummary:
-        start_versions = self._versions()
-        start = await self._evaluate(0)
+    def _fits(self) -> FlowerRunSummary:
+        assert self.sync.catch_up is not None
+        start_versions = dict(self.sync.catch_up.versions)
+        start = self._evaluate(0)
         fit_metrics: list[Metrics] = []
         examples = 0
-        for round_ in range(1, self.settings.rounds + 1):
-            config = {**self.settings.config, ROUND_KEY: round_}
+        for fit in range(1, self.settings.fits + 1):
             started = time.monotonic()
-            fitted, num_examples, metrics = await asyncio.to_thread(
-                self.trainer.fit, list(self.arrays), config)
+            fitted, num_examples, metrics = self.trainer.fit(
+                list(self.arrays), {**self.settings.config, SERVER_ROUND_KEY: fit})
             fitted = list(fitted)
             self.layout.check(fitted, "fit")
             fit_s = time.monotonic() - started
             self.arrays = fitted
-            self.completed = round_
             examples += num_examples
             fit_metrics.append(metrics)
-            targets = await self._push_all(int(num_examples), round_)
-            applied = await self._pull_all(targets)
-            self.events.emit("flower_round", learner=self.settings.learner_id, round=round_,
+            if num_examples < 1:
+                # Nothing to weigh it by: the schedule's push of it is not sent.
+                self.events.emit("flower_no_examples", learner=self.settings.learner_id,
+                                 fit=fit)
+            applied = self.sync.step(max(int(num_examples), 0))
+            applied += self.sync.merge()
+            self.events.emit("flower_fit", learner=self.settings.learner_id, fit=fit,
                              num_examples=num_examples, fit_s=round(fit_s, 4),
-                             applied=applied, versions=self._versions(), metrics=metrics)
-        end = await self._evaluate(self.settings.rounds)
-        await self._settle()
+                             applied=applied, versions=dict(self.sync.applied_versions),
+                             metrics=metrics)
+        end = self._evaluate(self.settings.fits)
+        self.sync.close()
+        stats = self.sync.client.stats
         return FlowerRunSummary(
-            learner_id=self.settings.learner_id, rounds=self.settings.rounds,
+            learner_id=self.settings.learner_id, fits=self.settings.fits,
             num_examples=examples, start_loss=start[0] if start else None,
             end_loss=end[0] if end else None, start_metrics=start[1] if start else {},
             end_metrics=end[1] if end else {}, fit_metrics=fit_metrics,
-            start_versions=start_versions, versions=self._versions(),
-            merged=self.client.stats.merged, dropped=dict(self.client.stats.dropped),
-            unsettled=self.client.backlog, pull_timeouts=self.pull_timeouts,
+            start_versions=start_versions, versions=dict(self.sync.applied_versions),
+            merged=stats.merged, dropped=dict(stats.dropped),
+            unsettled=self.sync.client.backlog, pull_timeouts=self.sync.pull_timeouts,
             parameters=list(self.arrays))
 
-    async def _push_all(self, num_examples: int, round_: int) -> list[int | None]:
-        """Push every fragment; returns the versions the coordinator will merge them into."""
-        for state in self.states:
-            state.tokens += num_examples
-            state.steps += 1
-        if num_examples < 1:
-            # Nothing to weigh this fit by; its progress rides on the next push.
-            self.events.emit("flower_no_examples", learner=self.settings.learner_id,
-                             round=round_)
-            return [None] * len(self.states)
-        current = [self.layout.read(self.arrays, p) for p in range(len(self.states))]
-        targets = await asyncio.gather(*(
-            self.client.push(p, state.base - current[p], state.base_version, state.tokens,
-                             state.steps, round_)
-            for p, state in enumerate(self.states)))
-        # Pushed: that progress is the synchronizer's now, never to be sent again.
-        for state, values in zip(self.states, current, strict=True):
-            state.base, state.tokens, state.steps = values, 0, 0
-        return targets
-
-    async def _pull_all(self, targets: list[int | None]) -> list[int]:
-        """Wait (up to pull_wait_s) for each fragment's version holding this fit, and apply it."""
-        pulled = await asyncio.gather(*(
-            self.client.pull_newer(p, state.base_version if target is None
-                                   else max(state.base_version, target - 1),
-                                   self.settings.pull_wait_s)
-            for (p, state), target in zip(enumerate(self.states), targets, strict=True)))
-        applied = []
-        for p, (state, new) in enumerate(zip(self.states, pulled, strict=True)):
-            if new is None or (new.version <= state.base_version and not new.rewound):
-                # No one merged in time: train on from our own parameters.
-                self.pull_timeouts += 1
-                self.events.emit("pull_timeout", learner=self.settings.learner_id,
-                                 fragment=p, have_version=state.base_version)
-                continue
-            self.layout.write(self.arrays, p, new.values)
-            state.base, state.base_version = new.values.copy(), new.version
-            state.tokens = state.steps = 0
-            applied.append(p)
-        return applied
-
-    async def _evaluate(self, round_: int) -> tuple[float, Metrics] | None:
+    def _evaluate(self, fit: int) -> tuple[float, Metrics] | None:
+        """The client's evaluate after `fit` fits (0: on the initial global values)."""
         if not self.settings.evaluate:
             return None
-        config = {**self.settings.config, ROUND_KEY: round_}
-        result = await asyncio.to_thread(self.trainer.evaluate, list(self.arrays), config)
+        result = self.trainer.evaluate(list(self.arrays),
+                                       {**self.settings.config, SERVER_ROUND_KEY: fit})
         if result is not None:
-            self.events.emit("flower_evaluate", learner=self.settings.learner_id,
-                             round=round_, loss=result[0], metrics=result[1])
+            self.events.emit("flower_evaluate", learner=self.settings.learner_id, fit=fit,
+                             loss=result[0], metrics=result[1])
         return result
-
-    async def _settle(self) -> None:
-        """Send again what was lost, and learn which contributions were merged."""
-        with contextlib.suppress(Exception):
-            await self.client.repush_unacknowledged()
-            await self.client.heartbeat(self.completed)
-
-    async def _heartbeats(self) -> None:
-        # Keeps the lease while a long fit runs, and re-sends lost contributions.
-        while True:
-            await asyncio.sleep(self.client.heartbeat_interval_s)
-            try:
-                await self.client.heartbeat(self.completed)
-                await self.client.repush_unacknowledged()
-            except Exception as exc:  # the next beat tries again
-                self.events.emit("heartbeat_failed", learner=self.settings.learner_id,
-                                 error=str(exc)[:200])
-
-    def _versions(self) -> dict[int, int]:
-        return {p: state.base_version for p, state in enumerate(self.states)}

@@ -375,9 +375,10 @@ class TrainEnd(TypedDict):
     reason: str
 
 
-class FlowerRound(TypedDict):
+class FlowerFit(TypedDict):
+    """`fit` counts a Flower client's fits from 1 (Flower's `server-round`)."""
     learner: str
-    round: int
+    fit: int
     num_examples: int
     fit_s: float
     applied: list[int]
@@ -387,12 +388,13 @@ class FlowerRound(TypedDict):
 
 class FlowerNoExamples(TypedDict):
     learner: str
-    round: int
+    fit: int
 
 
 class FlowerEvaluate(TypedDict):
+    """`fit`: after that many fits (0: on the initial global values)."""
     learner: str
-    round: int
+    fit: int
     loss: float
     metrics: dict[str, Any]
 
@@ -518,7 +520,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("learner", "train"): Train,
     ("learner", "eval"): Eval,
     ("learner", "train_end"): TrainEnd,
-    ("learner", "flower_round"): FlowerRound,
+    ("learner", "flower_fit"): FlowerFit,
     ("learner", "flower_no_examples"): FlowerNoExamples,
     ("learner", "flower_evaluate"): FlowerEvaluate,
     ("learner", "adversary"): Adversary,

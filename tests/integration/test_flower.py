@@ -36,7 +36,7 @@ from learner.flower import ArrayLayout, FlowerRunSummary, run_client_app, run_nu
 from tests.daemon import Daemon, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 5
+FITS = 5
 EXAMPLES = {0: 256, 1: 384}  # per partition: unequal, so the weights tell them apart
 
 
@@ -166,11 +166,11 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
 
 # -- one learner process ----------------------------------------------------------------------
 
-def run_learner(api: str, coordinator: str, learner_id: str, partition: int, rounds: int,
+def run_learner(api: str, coordinator: str, learner_id: str, partition: int, fits: int,
                 event_log: str = "", dim: int = 16, token: str | None = None,
                 ) -> FlowerRunSummary:
     torch.manual_seed(partition)  # each learner offers its own initial model
-    common: dict[str, Any] = dict(rounds=rounds, learner_id=learner_id, fragments=2,
+    common: dict[str, Any] = dict(fits=fits, learner_id=learner_id, fragments=2,
                                   token=token, event_log=event_log, pull_wait_s=20.0,
                                   connect_timeout_s=10.0)
     if api == "app":
@@ -197,7 +197,7 @@ def spawn(api: str, daemon: Daemon, learner_id: str, partition: int,
           event_log: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.integration.test_flower", api, daemon.address,
-         learner_id, str(partition), str(ROUNDS), str(event_log)],
+         learner_id, str(partition), str(FITS), str(event_log)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -231,50 +231,50 @@ def test_a_numpy_client_and_a_client_app_train_together_as_learners(
 
     for lid, s in summaries.items():
         # Both learners end on the same merged model, clearly better than where they began.
-        assert s["rounds"] == ROUNDS and s["pull_timeouts"] == 0
+        assert s["fits"] == FITS and s["pull_timeouts"] == 0
         assert s["end_loss"] < 0.6 * s["start_loss"], s
         assert s["start_versions"] == {"0": 0, "1": 0}
-        assert s["versions"] == {"0": ROUNDS, "1": ROUNDS}
-        # Every contribution (one per fragment per round) merged, none dropped.
-        assert s["merged"] == 2 * ROUNDS and s["dropped"] == {} and s["unsettled"] == 0
-        assert s["num_examples"] == ROUNDS * EXAMPLES[learners[lid]]
+        assert s["versions"] == {"0": FITS, "1": FITS}
+        # Every contribution (one per fragment per fit) merged, none dropped.
+        assert s["merged"] == 2 * FITS and s["dropped"] == {} and s["unsettled"] == 0
+        assert s["num_examples"] == FITS * EXAMPLES[learners[lid]]
     assert summaries["a"]["start_loss"] == pytest.approx(summaries["b"]["start_loss"])
     assert summaries["a"]["end_loss"] == pytest.approx(summaries["b"]["end_loss"], rel=1e-5)
 
     status = daemon.status()
     assert {f.fragment: (f.commits, f.merged_contributions) for f in status.fragments} == {
-        0: (ROUNDS, 2 * ROUNDS), 1: (ROUNDS, 2 * ROUNDS)}
+        0: (FITS, 2 * FITS), 1: (FITS, 2 * FITS)}
     assert {learner.learner_id: learner.contributions for learner in status.learners} == {
-        "a": 2 * ROUNDS, "b": 2 * ROUNDS}
+        "a": 2 * FITS, "b": 2 * FITS}
 
     # c_tokens = num_examples, c_steps = 1: weight = n·(n/1)·(1 + staleness)^-0.5.
     acks = events(coordinator_log, "push_ack")
-    assert len(acks) == 4 * ROUNDS
+    assert len(acks) == 4 * FITS
     for ack in acks:
         n = EXAMPLES[learners[ack["learner"]]]
         assert ack["weight"] == pytest.approx(n * n * (1 + ack["staleness"]) ** -0.5), ack
     assert {ack["learner"]: ack["weight"] for ack in acks if ack["staleness"] == 0} == {
         "a": 256.0**2, "b": 384.0**2}
-    rounds_logged = events(tmp_path / "a.jsonl", "flower_round")
-    assert [e["round"] for e in rounds_logged] == list(range(1, ROUNDS + 1))
+    fits_logged = events(tmp_path / "a.jsonl", "flower_fit")
+    assert [e["fit"] for e in fits_logged] == list(range(1, FITS + 1))
 
 
 def test_a_learner_with_another_model_is_refused_with_the_reason(
         start_daemon: StartDaemon) -> None:
     daemon = start_daemon("--set", "policy.grace_max_s=0")
     # The first learner (a legacy `Client`, from `to_client()`) sets the run's layout.
-    first = run_learner("client", daemon.address, "a", 0, rounds=1)
+    first = run_learner("client", daemon.address, "a", 0, fits=1)
     assert first.versions == {0: 1, 1: 1} and first.merged == 2
     assert first.end_loss is not None and first.start_loss is not None
     assert first.end_loss < first.start_loss
     with pytest.raises(Refused, match="layout"):
-        run_learner("numpy", daemon.address, "b", 1, rounds=1, dim=8)
+        run_learner("numpy", daemon.address, "b", 1, fits=1, dim=8)
 
 
 def test_a_bad_token_is_refused_with_the_reason(start_daemon: StartDaemon) -> None:
     daemon = start_daemon("--set", 'auth.tokens={a="token-a"}')
     with pytest.raises(Refused, match="token"):
-        run_learner("numpy", daemon.address, "a", 0, rounds=1, token="not-the-token")
+        run_learner("numpy", daemon.address, "a", 0, fits=1, token="not-the-token")
 
 
 class SlowClient(NumPyClient):
@@ -301,7 +301,7 @@ def test_the_lease_holds_through_a_fit_longer_than_it(start_daemon: StartDaemon)
                           "--set", "policy.grace_max_s=0")
     client = SlowClient()
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run_numpy_client, client, daemon.address, rounds=1,
+        running = pool.submit(run_numpy_client, client, daemon.address, fits=1,
                               learner_id="slow", connect_timeout_s=10.0)
         assert client.fitting.wait(10)
         sampling_until = time.monotonic() + 1.2
@@ -335,14 +335,52 @@ def test_fits_whose_merge_is_late_are_each_pushed_once(start_daemon: StartDaemon
     push must carry that fit alone, not again the fits before it."""
     daemon = start_daemon("--min-quorum", "2")
     log = tmp_path / "learner.jsonl"
-    summary = run_numpy_client(StepClient(), daemon.address, rounds=3, learner_id="a",
+    summary = run_numpy_client(StepClient(), daemon.address, fits=3, learner_id="a",
                                pull_wait_s=0.3, event_log=str(log), connect_timeout_s=10.0)
     assert summary.pull_timeouts == 3
+    # Each pull waited past the version its push was measured from, and none came.
+    assert [e["have_version"] for e in events(log, "pull_timeout")] == [0, 0, 0]
     invoked = events(log, "push_invoke")
     assert len(invoked) == 3
     assert [e["c_steps"] for e in invoked] == [1, 1, 1], invoked
     # c_tokens²/c_steps of one fit of 10 examples, at staleness 0.
     assert [e["weight"] for e in events(log, "push_ack")] == [100.0] * 3
+
+
+class NoExamplesClient(StepClient):
+    """Moves w like a StepClient but reports no examples (an empty partition)."""
+
+    def __init__(self) -> None:
+        self.fitted = threading.Event()
+
+    def fit(self, parameters: list[np.ndarray], config: dict[str, Any],
+            ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        self.fitted.set()
+        return [parameters[0] - 1.0], 0, {}
+
+
+def test_a_fit_with_no_examples_is_not_pushed_and_takes_the_newest_version(
+        start_daemon: StartDaemon, tmp_path: Path) -> None:
+    """As the schedule says for a push without tokens: not sent, and the learner
+    pulls the newest version, here the one another learner's fit made."""
+    daemon = start_daemon("--set", "policy.grace_max_s=0")
+    log = tmp_path / "empty.jsonl"
+    client = NoExamplesClient()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run_numpy_client, client, daemon.address, fits=1,
+                              learner_id="empty", event_log=str(log), pull_wait_s=30.0,
+                              connect_timeout_s=10.0)
+        assert client.fitted.wait(30)  # caught up on version 0, its fit done
+        other = run_numpy_client(StepClient(), daemon.address, fits=1, learner_id="other",
+                                 connect_timeout_s=10.0)
+        summary = running.result(timeout=30)
+    assert other.versions == {0: 1} and summary.versions == {0: 1}
+    assert [e["fit"] for e in events(log, "flower_no_examples")] == [1]
+    assert events(log, "push_invoke") == [] and summary.merged == 0
+    assert summary.pull_timeouts == 0
+    # It ends on version 1, the other learner's fit merged, not on its own fit (w = -1).
+    np.testing.assert_array_equal(summary.parameters[0], other.parameters[0])
+    assert float(summary.parameters[0][0]) not in (0.0, -1.0)
 
 
 class GatedClient(StepClient):
@@ -380,7 +418,7 @@ def test_a_flower_learner_ahead_of_a_coordinator_that_lost_versions_takes_its_ne
         wait_until(client.fitting.is_set, 30, message="the next fit")
 
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run_numpy_client, client, daemon.address, rounds=5,
+        running = pool.submit(run_numpy_client, client, daemon.address, fits=5,
                               learner_id="a", event_log=str(log), pull_wait_s=10.0,
                               connect_timeout_s=30.0)
         assert client.fitting.wait(30)  # joined, version 0 offered, first fit under way
@@ -414,7 +452,7 @@ class FailingClient(SlowClient):
 def test_a_failing_fit_leaves_the_run_and_raises(start_daemon: StartDaemon) -> None:
     daemon = start_daemon()
     with pytest.raises(RuntimeError, match="out of data"):
-        run_numpy_client(FailingClient(), daemon.address, rounds=1, learner_id="x")
+        run_numpy_client(FailingClient(), daemon.address, fits=1, learner_id="x")
     assert [(x.learner_id, x.live) for x in daemon.status().learners] == [("x", False)]
 
 
@@ -442,9 +480,9 @@ if __name__ == "__main__":
     for name in ("api", "coordinator", "learner_id"):
         parser.add_argument(name)
     parser.add_argument("partition", type=int)
-    parser.add_argument("rounds", type=int)
+    parser.add_argument("fits", type=int)
     parser.add_argument("event_log")
     args = parser.parse_args()
     result = run_learner(args.api, args.coordinator, args.learner_id, args.partition,
-                         args.rounds, args.event_log)
+                         args.fits, args.event_log)
     print(json.dumps(summary_json(result)))
