@@ -65,6 +65,7 @@ from learner.client import Retry, SynchronizerClient
 from learner.fragments import pack_balanced
 from learner.streaming import FragmentSync, SyncSettings
 from protos.events import EventLog
+from protos.settings import check
 from protos.tls import TlsConfig
 from protos.tls import load as load_tls
 
@@ -325,10 +326,8 @@ class RunSettings:
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.fits < 1:
-            raise ValueError(f"fits must be at least 1, got {self.fits}")
-        if self.pull_wait_s <= 0:
-            raise ValueError(f"pull_wait_s must be positive, got {self.pull_wait_s}")
+        check(self, [(self.fits >= 1, "fits", "must be at least 1"),
+                     (self.pull_wait_s > 0, "pull_wait_s", "must be positive")])
 
 
 def run_numpy_client(client: NumPyClient | Client, coordinator: str, *, fits: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -454,6 +455,18 @@ def test_a_failing_fit_leaves_the_run_and_raises(start_daemon: StartDaemon) -> N
     with pytest.raises(RuntimeError, match="out of data"):
         run_numpy_client(FailingClient(), daemon.address, fits=1, learner_id="x")
     assert [(x.learner_id, x.live) for x in daemon.status().learners] == [("x", False)]
+
+
+@pytest.mark.parametrize(("kwargs", "problem"), [
+    ({"fits": 0}, "fits must be at least 1 (got 0)"),
+    ({"pull_wait_s": 0.0}, "pull_wait_s must be positive (got 0.0)"),
+])
+def test_bad_settings_are_refused_before_anything_starts(kwargs: dict[str, Any],
+                                                         problem: str) -> None:
+    client = StepClient()
+    # The address is never dialled: the settings are checked first.
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        run_numpy_client(client, "127.0.0.1:1", **{"fits": 1, "learner_id": "a", **kwargs})
 
 
 def test_layout_balances_fragments_and_hashes_the_shapes() -> None:
