@@ -40,7 +40,7 @@ from coordinator.metrics import Metrics
 from coordinator.policy import ContributionId, Offer, Policy, RoundClose, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
-from protos.bulk import BulkServer, Grant, Handoff, receive_frames, taken
+from protos.bulk import BulkCut, BulkServer, Grant
 from protos.codec import Codec, CodecError, codec_for
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamEnded, StreamError
@@ -597,58 +597,18 @@ class Engine:
                             stream: AsyncIterator[pb.PushMessage],
                             receive: Callable[[], Awaitable[pb.PushMessage | None]],
                             announce: Announce, out: np.ndarray, prescale: float) -> str:
-        """Hand out a ticket and receive the frames its connection brings; or, when
-        the learner sends chunks on the call instead (it cannot reach the bulk port),
-        those. Returns the transport the bytes took."""
-        bulk = self.bulk
-        assert bulk is not None
-        idle_s = self.config.limits.push_idle_s
-        handoff = Handoff(Grant(header.learner_id, header.fragment, header.base_version))
-        ticket = bulk.tickets.issue(handoff)
-        # The call's next message: a chunk if the learner falls back, else its end.
-        fallback = asyncio.ensure_future(anext(stream, None))
+        """The frames on the bulk connection the push's ticket opens, or its chunks on
+        the call (`BulkServer.receive`); returns the transport the bytes took."""
+        assert self.bulk is not None
+        grant = Grant(header.learner_id, header.fragment, header.base_version)
         try:
-            await announce(ticket, bulk.port)
-            await asyncio.wait((handoff.connection, fallback), timeout=idle_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not handoff.connection.done() and fallback.done():
-                first = fallback.result()
-                if first is not None:
-                    bulk.tickets.withdraw(ticket)
-                    reader.accept(first, out, prescale)
-                    await reader.read_into(receive, out, prescale)
-                    reader.refuse_more(await receive())
-                    return "grpc_fallback"
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(handoff.connection), idle_s)
-            if not handoff.connection.done():
-                self._count_cut(header, reason=Reason.IDLE.value)
-                raise Cut(Reason.IDLE, f"the push of fragment {header.fragment} (seq "
-                                       f"{header.seq}) opened no bulk connection within "
-                                       f"{idle_s:g} s (limits.push_idle_s); push it again")
-            conn = handoff.connection.result()
-            reusable = False
-            try:
-                await bulk.run(conn, lambda: receive_frames(conn, reader, out, prescale))
-                await bulk.run(conn, lambda: taken(conn))
-                reusable = True
-            except (OSError, ConnectionError) as exc:
-                self._count_cut(header, reason=Reason.CUT.value)
-                raise Cut(Reason.CUT, f"the bulk connection of the push of fragment "
-                                      f"{header.fragment} (seq {header.seq}) broke after "
-                                      f"{reader.received} of {reader.numel} elements "
-                                      f"({exc}); push it again") from None
-            finally:
-                handoff.release(reusable)
-            # The learner ends the call's stream once its frames are taken.
-            async with asyncio.timeout(idle_s):
-                reader.refuse_more(await fallback)
-            return "bulk"
-        finally:
-            bulk.tickets.withdraw(ticket)
-            handoff.close()
-            if not fallback.done():
-                fallback.cancel()
+            return await self.bulk.receive(grant, announce, stream, receive, reader, out,
+                                           prescale, self.config.limits.push_idle_s)
+        except BulkCut as cut:
+            self._count_cut(header, reason=cut.reason)
+            raise Cut(Reason(cut.reason), f"the push of fragment {header.fragment} (seq "
+                                          f"{header.seq}) {cut.message}; push it "
+                                          f"again") from None
 
     async def _next_message(self, header: pb.PushHeader,
                             messages: AsyncIterator[pb.PushMessage],

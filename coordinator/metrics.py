@@ -144,9 +144,10 @@ class Metrics:
             "ftsync_bytes_out", unit="By", description="tensor bytes sent")
         self.transfers = meter.create_counter(
             "ftsync_transfers",
-            description="push and pull transfers by direction and transport: bulk (the "
-                        "bulk channel), grpc (chunks on the call), grpc_fallback (asked "
-                        "for bulk, sent as chunks: the learner could not reach the port)")
+            description="transfers by direction (push, pull, and replicate: versions "
+                        "a standby took) and transport: bulk (the bulk channel), grpc "
+                        "(chunks on the call), grpc_fallback (asked for bulk, sent as "
+                        "chunks: the sender could not reach the port)")
 
     def counts(self) -> Counts:
         """Every counter's value now, from the instruments themselves."""

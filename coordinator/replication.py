@@ -2,9 +2,16 @@
 
 The leader keeps one link per standby registered in etcd. A new link first
 sends the standby every fragment's durable record (catch-up), then every
-version the leader commits, in order, each as one `Replicate` stream: a
-header, then raw fp32 chunks of the parameters followed by the momentum. A
-standby writes a version durably before acknowledging it.
+version the leader commits, in order, each as one `Replicate` call: a
+header, then the raw fp32 parameters followed by the momentum. The bytes
+move on the standby's bulk port as a push's do (`protos.bulk`): the standby
+is the call's server, so, as the daemon does for a push, it issues the
+ticket and listens, and the leader dials the host it already reaches for
+gRPC (no port of the leader's need be open to its standbys); where that port
+cannot be reached the leader sends the same bytes as chunks on the call,
+from then on, said once (`bulk_fallback`). A frame that fails its checksum
+is a refused replica (`corrupt`): nothing is written, and the link starts
+over. A standby writes a version durably before acknowledging it.
 
 `replication = sync` (the default) publishes a version only once every
 in-sync standby has acknowledged it; a standby that does not within
@@ -25,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +47,20 @@ from coordinator.tasks import cancel_and_wait
 from protos import discovery, tls
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
+from protos.bulk import (
+    BulkCut,
+    BulkError,
+    BulkPool,
+    BulkServer,
+    BulkUnreachable,
+    Grant,
+    bulk_host,
+    open_stream,
+    push_announced,
+)
 from protos.codec import MESSAGE_SIZE_OPTIONS, codec_named, iter_chunk_messages
 from protos.stream import ChunkReader, StreamError
-from protos.tls import TlsMaterial
+from protos.tls import REPLICA_NAME, TlsMaterial
 
 if TYPE_CHECKING:
     from coordinator.engine import Engine
@@ -66,12 +84,23 @@ _CHANNEL_OPTIONS = [
 def replica_messages(epoch: int, leader_id: str, run: RunRecord,
                      record: FragmentRecord) -> Iterator[pb.ReplicaMessage]:
     """One version as a `Replicate` stream: header, parameters, momentum."""
-    numel = record.params.size
-    yield pb.ReplicaMessage(header=pb.ReplicaHeader(
+    yield replica_header(epoch, leader_id, run, record)
+    yield from replica_chunks(record)
+
+
+def replica_header(epoch: int, leader_id: str, run: RunRecord,
+                   record: FragmentRecord) -> pb.ReplicaMessage:
+    return pb.ReplicaMessage(header=pb.ReplicaHeader(
         epoch=epoch, leader_id=leader_id, run_id=run.run_id, layout_hash=run.layout_hash,
-        numels=run.numels, fragment=record.fragment, version=record.version, numel=numel,
-        watermarks=record.watermarks, manifest_json=json.dumps(record.manifest),
-        commit_epoch=record.epoch, commit_id=record.commit_id))
+        numels=run.numels, fragment=record.fragment, version=record.version,
+        numel=record.params.size, watermarks=record.watermarks,
+        manifest_json=json.dumps(record.manifest), commit_epoch=record.epoch,
+        commit_id=record.commit_id))
+
+
+def replica_chunks(record: FragmentRecord) -> Iterator[pb.ReplicaMessage]:
+    """The parameters then the momentum as the chunks of one vector."""
+    numel = record.params.size
     yield from iter_chunk_messages(record.params, _FP32, pb.ReplicaMessage, _CHUNK_BYTES)
     for message in iter_chunk_messages(record.momentum, _FP32, pb.ReplicaMessage,
                                        _CHUNK_BYTES):
@@ -79,14 +108,43 @@ def replica_messages(epoch: int, leader_id: str, run: RunRecord,
         yield message
 
 
+async def send_replica(stub: pb_grpc.ReplicationStub, header: pb.ReplicaMessage,
+                       record: FragmentRecord, address: str, pool: BulkPool | None,
+                       unreachable: Callable[[BulkUnreachable], None],
+                       metadata: tuple[tuple[str, str], ...] = ()) -> pb.ReplicaAck:
+    """One version to the standby at `address`: the header on the call, the bytes on
+    its bulk port through `pool` (None: as chunks on the call, as they go too when
+    the port cannot be reached, which `unreachable` is told)."""
+    header.header.bulk = pool is not None
+
+    def on_bulk(call: Any) -> Awaitable[str]:
+        assert pool is not None
+        return push_announced(pool, call, bulk_host(address), (record.params, record.momentum),
+                              _FP32, unreachable)
+
+    call = await open_stream(
+        lambda messages: stub.Replicate(messages, timeout=60, metadata=metadata),
+        header, lambda: replica_chunks(record), None if pool is None else on_bulk)
+    ack: pb.ReplicaAck = await call
+    return ack
+
+
 async def read_replica(
         messages: AsyncIterator[pb.ReplicaMessage],
         check_room: Callable[[int], None] = lambda params: None,
-) -> tuple[int, RunRecord, FragmentRecord]:
-    """(sender epoch, run, record) from a `Replicate` stream; `Rejected` if malformed.
+        bulk: BulkServer | None = None,
+        announce: Callable[[bytes, int], Awaitable[None]] | None = None,
+        idle_s: float = 30.0,
+) -> tuple[int, RunRecord, FragmentRecord, str]:
+    """(sender epoch, run, record, transport) from a `Replicate` stream; `Rejected` if
+    malformed, cut, or a bulk frame fails its checksum (`corrupt`).
 
     `check_room(params)` refuses a run too large for this replica (the engine's rule
-    for a first Join) before the header's sizes allocate anything."""
+    for a first Join) before the header's sizes allocate anything. A header asking
+    for the bulk channel is answered through `announce(ticket, port)`: the frames
+    then come on `bulk` (`BulkServer.receive`, `idle_s` for the connection), or,
+    with no bulk port here (port 0), the chunks on the call. The transport is the
+    one the bytes took: bulk, grpc, or grpc_fallback."""
     stream = aiter(messages)
     first = await anext(stream, None)
     if first is None or first.WhichOneof("kind") != "header":
@@ -98,10 +156,27 @@ async def read_replica(
                                          f"does not fit the run's layout")
     check_room(sum(int(n) for n in header.numels))
     values = np.empty(2 * numel, dtype=np.float32)
-    reader = ChunkReader(values.size, f"the replica of fragment {header.fragment}")
+    subject = f"the replica of fragment {header.fragment}"
+    reader = ChunkReader(values.size, subject)
+
+    def receive() -> Awaitable[pb.ReplicaMessage | None]:
+        return anext(stream, None)
+
     try:
-        await reader.read_into(lambda: anext(stream, None), values)
-        reader.refuse_more(await anext(stream, None))
+        if header.bulk and bulk is not None and announce is not None:
+            # Bound to the replicas' name: under mutual TLS only a replica's
+            # certificate redeems it.
+            grant = Grant(REPLICA_NAME, int(header.fragment), int(header.version))
+            transport = await bulk.receive(grant, announce, stream, receive, reader, values,
+                                           1.0, idle_s)
+        else:
+            if header.bulk and announce is not None:
+                await announce(b"", 0)  # no bulk port here: the chunks come on the call
+            await reader.read_into(receive, values)
+            reader.refuse_more(await receive())
+            transport = "grpc"
+    except BulkCut as cut:
+        raise Rejected(Reason(cut.reason), f"{subject}: {cut.message}") from None
     except StreamError as exc:
         raise Rejected(Reason(exc.reason), exc.message) from exc
     run = RunRecord(header.run_id, header.layout_hash, tuple(int(n) for n in header.numels))
@@ -111,7 +186,7 @@ async def read_replica(
         watermarks={k: int(v) for k, v in header.watermarks.items()},
         manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch),
         commit_id=int(header.commit_id))
-    return int(header.epoch), run, record
+    return int(header.epoch), run, record, transport
 
 
 def _manifest(text: str) -> list[Any]:
@@ -174,6 +249,10 @@ class Replicator:
         self._insync_lock = asyncio.Lock()
         self._follow: asyncio.Task[None] | None = None
         self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        # Versions' bytes to the standbys' bulk ports, as a replica (its certificate
+        # under mutual TLS); as gRPC chunks to a standby whose port cannot be reached.
+        self._bulk = BulkPool(REPLICA_NAME, material)
+        self._no_bulk: set[str] = set()
 
     @property
     def mode(self) -> str:
@@ -193,6 +272,7 @@ class Replicator:
         for link in self.links.values():
             link.fail_pending()
         self.links.clear()
+        self._bulk.close()
         self._follow = None
         self.epoch = 0
 
@@ -300,7 +380,7 @@ class Replicator:
                         await self._write_insync()
                     item = await link.queue.get()
                     try:
-                        await self._send(stub, item.record)
+                        await self._send(stub, link, item.record)
                     except BaseException as exc:
                         if not item.acked.done():
                             item.acked.set_exception(ConnectionError(str(exc)))
@@ -309,7 +389,7 @@ class Replicator:
                         item.acked.set_result(None)
         except asyncio.CancelledError:
             raise
-        except (grpc.RpcError, ConnectionError, OSError, NotLeader) as exc:
+        except (grpc.RpcError, ConnectionError, OSError, NotLeader, BulkError) as exc:
             self.engine.events.emit("standby_lost", replica=link.replica_id,
                                     error=str(exc)[:200])
             link.fail_pending()
@@ -327,21 +407,28 @@ class Replicator:
         for fragment in range(len(run.numels)):
             record = await asyncio.to_thread(self.engine.state.load_fragment, fragment)
             if record is not None:
-                await self._send(stub, record)
+                await self._send(stub, link, record)
 
-    async def _send(self, stub: pb_grpc.ReplicationStub, record: FragmentRecord) -> None:
+    async def _send(self, stub: pb_grpc.ReplicationStub, link: _Link,
+                    record: FragmentRecord) -> None:
         run = self.engine.run
         if run is None:
             raise ConnectionError("no run to replicate")
-
-        async def messages() -> AsyncIterator[pb.ReplicaMessage]:
-            for message in replica_messages(self.epoch, self.replica_id, run, record):
-                yield message
-
+        header = replica_header(self.epoch, self.replica_id, run, record)
+        pool = None if link.address in self._no_bulk else self._bulk
         try:
-            await stub.Replicate(messages(), timeout=60, metadata=self._metadata)
+            await send_replica(stub, header, record, link.address, pool,
+                               lambda exc: self._fall_back(link, exc), self._metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # The standby knows a newer epoch: this replica no longer leads.
                 raise NotLeader("", self.epoch) from exc
             raise
+
+    def _fall_back(self, link: _Link, error: BulkUnreachable) -> None:
+        """Versions to this standby go as gRPC chunks from now on; said once."""
+        if link.address in self._no_bulk:
+            return
+        self._no_bulk.add(link.address)
+        self.engine.events.emit("bulk_fallback", replica=link.replica_id,
+                                address=link.address, error=str(error)[:200])

@@ -178,14 +178,11 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
             "ftsync.seq": header.seq, "ftsync.base_version": header.base_version,
             "ftsync.init": header.init})
 
-        async def announce(ticket: bytes, port: int) -> None:
-            await context.send_initial_metadata(((metadata.BULK_TICKET, ticket.hex()),
-                                                 (metadata.BULK_PORT, str(port))))
+        announce = announcer(context)
 
         async def push() -> pb.PushResponse:
             if header.bulk and self.engine.bulk is None:
-                # No bulk port here: port 0 tells the learner to send the chunks on the call.
-                await context.send_initial_metadata(((metadata.BULK_PORT, "0"),))
+                await announce(b"", 0)  # no bulk port here: the chunks come on the call
             result = await self.engine.push(header, request_iterator,
                                             announce if header.bulk else None)
             return pb.PushResponse(seq=result.seq, target_version=result.target_version,
@@ -352,6 +349,17 @@ async def abort(context: Context, rejected: Rejected) -> NoReturn:
     raise AssertionError("context.abort returned")
 
 
+def announcer(context: Context) -> Callable[[bytes, int], Awaitable[None]]:
+    """Tells a call's client where its bytes go: the bulk port and the ticket to open
+    it with, in the initial metadata; port 0 (no ticket): as chunks on the call."""
+    async def announce(ticket: bytes, port: int) -> None:
+        sent = [(metadata.BULK_PORT, str(port))]
+        if ticket:
+            sent.append((metadata.BULK_TICKET, ticket.hex()))
+        await context.send_initial_metadata(tuple(sent))
+    return announce
+
+
 class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
     """A standby's end of replication: each stream is one committed version."""
 
@@ -367,11 +375,15 @@ class ReplicationService(pb_grpc.ReplicationServicer):  # type: ignore[misc]
                 raise Rejected(Reason.UNAUTHENTICATED,
                                f"replication needs the replicas' shared token (ha.token) "
                                f"or a client certificate issued to {REPLICA_NAME!r}")
-            epoch, run, record = await read_replica(request_iterator, self.engine.check_room)
+            epoch, run, record, transport = await read_replica(
+                request_iterator, self.engine.check_room, self.engine.bulk, announcer(context),
+                self.engine.config.limits.push_idle_s)
             known = await self.engine.apply_replica(epoch, run, record)
         except Rejected as rejected:
             self.engine.record_rejection("Replicate", "", rejected)
             await abort(context, rejected)
+        self.engine.metrics.transfers.add(1, {"direction": "replicate",
+                                              "transport": transport})
         return pb.ReplicaAck(fragment=record.fragment, version=record.version, epoch=known)
 
 

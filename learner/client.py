@@ -50,7 +50,14 @@ from learner.metrics import LearnerMetrics
 from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos.bulk import Abort, BulkError, BulkPool, BulkUnreachable
+from protos.bulk import (
+    BulkError,
+    BulkPool,
+    BulkUnreachable,
+    bulk_host,
+    open_stream,
+    push_announced,
+)
 from protos.codec import (
     FP32,
     MESSAGE_SIZE_OPTIONS,
@@ -473,63 +480,22 @@ class SynchronizerClient:
                     codec: Codec) -> pb.PushResponse:
         chunk_bytes = self.chunk_bytes
         address = self.address
-        bulk = self.bulk and address not in self._no_bulk
-        header.bulk = bulk
-        # "grpc" once the chunks are to follow the header on the call; "bulk" once
-        # they went on the bulk channel, or the call was refused: nothing more to send.
-        took: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        if not bulk:
-            took.set_result("grpc")
+        header.bulk = self.bulk and address not in self._no_bulk
 
-        async def messages() -> AsyncIterator[pb.PushMessage]:
-            yield pb.PushMessage(header=header)
-            # Shielded: a cancelled call cancels this generator's task, not the decision.
-            if await asyncio.shield(took) == "grpc":
-                for message in iter_chunk_messages(values, codec, pb.PushMessage,
-                                                   chunk_bytes):
-                    yield message
+        def on_bulk(call: Any) -> Awaitable[str]:
+            return push_announced(self._bulk, call, bulk_host(address), values, codec,
+                                  lambda exc: self._fall_back(address, exc))
 
         # The current span (a contribution's push) becomes the admit span's parent.
-        call = self._stub.PushFragment(
-            messages(), metadata=self._metadata + telemetry.inject(), timeout=300)
-        try:
-            if bulk:
-                took.set_result(await self._push_bulk(call, address, values, codec))
-        finally:
-            if not took.done():  # the bulk transfer failed or was cancelled
-                took.set_result("bulk")
+        call = await open_stream(
+            lambda messages: self._stub.PushFragment(
+                messages, metadata=self._metadata + telemetry.inject(), timeout=300),
+            pb.PushMessage(header=header),
+            lambda: iter_chunk_messages(values, codec, pb.PushMessage, chunk_bytes),
+            on_bulk if header.bulk else None)
         response: pb.PushResponse = await call
         self._check_epoch(response.epoch)
         return response
-
-    async def _push_bulk(self, call: Any, address: str, values: np.ndarray,
-                         codec: Codec) -> str:
-        """The frames on the bulk connection the coordinator's ticket names; which
-        transport the bytes take. A refusal of the call itself comes with no ticket,
-        and the call's status says why."""
-        initial = {key: value for key, value in await call.initial_metadata() or ()}
-        ticket, port = initial.get(metadata.BULK_TICKET), initial.get(metadata.BULK_PORT)
-        if port == "0":
-            return "grpc"  # a coordinator without a bulk port: the chunks go on the call
-        if not ticket or not port:
-            return "bulk"  # refused before any ticket: the call's status says why
-        # A call that ends first (its replica left behind, cut off) takes its transfer
-        # with it: the worker would otherwise wait on a peer that may never answer.
-        abort = Abort()
-        call.add_done_callback(lambda _: abort.cut())
-        try:
-            await asyncio.to_thread(self._bulk.push, _host(address), int(port),
-                                    bytes.fromhex(ticket), values, codec, abort)
-        except BulkUnreachable as exc:
-            self._fall_back(address, exc)
-            return "grpc"
-        except BulkError as exc:
-            if exc.reason != "bad_ticket":
-                raise
-            return "grpc"  # the call still waits for the chunks: they go there
-        except (OSError, ConnectionError):
-            pass  # cut: the call's status says why (cut, corrupt), and it is pushed again
-        return "bulk"
 
     def _fall_back(self, address: str, error: Exception) -> None:
         """Pushes and pulls to `address` go as gRPC chunks from now on; said once."""
@@ -558,7 +524,7 @@ class SynchronizerClient:
                                              timeout=wait_s + 300)
             try:
                 pulled = await self._read_fragments(aiter(stream), only=fragment,
-                                                    host=_host(address))
+                                                    host=bulk_host(address))
             except (BulkError, OSError, ConnectionError) as exc:
                 if not request.bulk:
                     raise
@@ -821,11 +787,6 @@ class SynchronizerClient:
                         # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)
-
-
-def _host(address: str) -> str:
-    """The host of `HOST:PORT` (or `[v6]:PORT`), where the bulk port is too."""
-    return address.rpartition(":")[0].strip("[]")
 
 
 async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",

@@ -4,15 +4,19 @@ gRPC carries the control of a transfer — authentication, the header's checks,
 refusals, redirects, the acknowledgement — and hands out a single-use ticket
 bound to a learner, a fragment and a version; the bytes then move here, at
 socket speed (a bare grpcio echo manages a third to a half of a raw socket on
-this kind of machine). The daemon serves pushes and pulls this way, and a
-learner its peers' catch-up: `BulkServer` is the listening side of both,
-`BulkPool` the dialling side, which keeps idle connections per peer for the
-next transfer. `Tickets` issues and redeems tickets; a transfer's owner (the
-gRPC call that issued the ticket) receives the connection through a `Handoff`
-and gives it back when done. The frames are sent from the fragment's buffer
-without copies (`sendall` on a memoryview) and received with `recv_into`
-straight into the caller's vector, checked by `protos.stream.ChunkReader`
-exactly as gRPC chunks are, and decoded (weighted) frame by frame.
+this kind of machine). The daemon serves pushes and pulls this way, a standby
+the versions its leader replicates, and a learner its peers' catch-up:
+`BulkServer` is the listening side of all of them, `BulkPool` the dialling
+side, which keeps idle connections per peer for the next transfer. A call
+whose client holds the bytes (a push, a replica) goes through `open_stream`
+and `push_announced` on the client and `BulkServer.receive` on the server,
+with its fall-back to chunks on the call. `Tickets` issues and redeems
+tickets; a transfer's owner (the gRPC call that issued the ticket) receives
+the connection through a `Handoff` and gives it back when done. The frames
+are sent from the fragment's buffer without copies (`sendall` on a
+memoryview) and received with `recv_into` straight into the caller's vector,
+checked by `protos.stream.ChunkReader` exactly as gRPC chunks are, and
+decoded (weighted) frame by frame.
 
 Wire format (little-endian):
 
@@ -45,7 +49,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -53,12 +57,15 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
+from protos import metadata
 from protos.codec import FP32, MAX_CHUNK_BYTES, Codec, chunk_elements
-from protos.stream import ChunkReader, StreamError
+from protos.stream import ChunkMessage, ChunkReader, StreamError
 from protos.tls import TlsMaterial, client_context
 
 Floats = NDArray[np.float32]
 T = TypeVar("T")
+M = TypeVar("M")
+C = TypeVar("C")
 
 TICKET_BYTES: Final = 16
 HEAD: Final = struct.Struct("<QIIfQ")
@@ -69,6 +76,11 @@ _REFUSED: Final = 1
 _LITTLE: Final = sys.byteorder == "little"
 
 
+def bulk_host(address: str) -> str:
+    """The host of `HOST:PORT` (or `[v6]:PORT`), where the bulk port is too."""
+    return address.rpartition(":")[0].strip("[]")
+
+
 def checksum(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
@@ -76,6 +88,16 @@ def checksum(data: memoryview | bytes) -> int:
 class BulkError(StreamError):
     """A bulk transfer refused or broken; `reason` is the refusal's code
     (`bad_ticket`, `corrupt`, or one of `protos.stream`'s)."""
+
+
+class BulkCut(Exception):
+    """A transfer's connection never came (`idle`) or broke before its last frame
+    (`cut`): not refused, the sender sends it again."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
 
 
 class BulkUnreachable(OSError):
@@ -182,9 +204,10 @@ class Tickets:
 
 
 def send_frames(conn: socket.socket, values: Floats, codec: Codec = FP32,
-                frame_bytes: int = FRAME_BYTES) -> int:
+                frame_bytes: int = FRAME_BYTES, start: int = 0) -> int:
     """Blocking: `values` as frames, fp32 straight from the array's memory; returns
-    the data bytes sent."""
+    the data bytes sent. `start`: the offset of `values` in the vector transferred
+    (a replica's momentum follows its parameters)."""
     step = chunk_elements(codec, frame_bytes)
     vector = np.ascontiguousarray(values, dtype="<f4")
     sent = 0
@@ -196,7 +219,7 @@ def send_frames(conn: socket.socket, values: Floats, codec: Codec = FP32,
         else:
             data, scale = codec.encode(part)
         nbytes = memoryview(data).nbytes
-        conn.sendall(HEAD.pack(offset, part.size, nbytes, scale, checksum(data)))
+        conn.sendall(HEAD.pack(start + offset, part.size, nbytes, scale, checksum(data)))
         conn.sendall(data)
         sent += nbytes
     return sent
@@ -334,6 +357,58 @@ class BulkServer:
             await asyncio.wait([future])
             raise
 
+    async def receive(self, grant: Grant, announce: Callable[[bytes, int], Awaitable[None]],
+                      stream: AsyncIterator[ChunkMessage],
+                      receive: Callable[[], Awaitable[ChunkMessage | None]],
+                      reader: ChunkReader, out: Floats, weight: float, idle_s: float) -> str:
+        """The receiving end of a call whose client holds the bytes (a push, a
+        replica): a ticket bound to `grant` goes out through `announce(ticket, port)`,
+        then the frames its connection brings land in `out` as `weight · values`; or,
+        when the client sends the chunks on the call instead (it cannot reach this
+        port), those, read through `receive`. Returns the transport the bytes took,
+        "bulk" or "grpc_fallback". `BulkCut` when no connection comes within `idle_s`
+        or it breaks before the last frame; `StreamError` for a bad frame or chunk."""
+        handoff = Handoff(grant)
+        ticket = self.tickets.issue(handoff)
+        # The call's next message: a chunk if the client falls back, else its end.
+        fallback = asyncio.ensure_future(anext(stream, None))
+        try:
+            await announce(ticket, self.port)
+            await asyncio.wait((handoff.connection, fallback), timeout=idle_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not handoff.connection.done() and fallback.done():
+                first = fallback.result()
+                if first is not None:
+                    self.tickets.withdraw(ticket)
+                    reader.accept(first, out, weight)
+                    await reader.read_into(receive, out, weight)
+                    reader.refuse_more(await receive())
+                    return "grpc_fallback"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(handoff.connection), idle_s)
+            if not handoff.connection.done():
+                raise BulkCut("idle", f"opened no bulk connection within {idle_s:g} s")
+            conn = handoff.connection.result()
+            reusable = False
+            try:
+                await self.run(conn, lambda: receive_frames(conn, reader, out, weight))
+                await self.run(conn, lambda: taken(conn))
+                reusable = True
+            except (OSError, ConnectionError) as exc:
+                raise BulkCut("cut", f"its bulk connection broke after {reader.received} of "
+                                     f"{reader.numel} elements ({exc})") from None
+            finally:
+                handoff.release(reusable)
+            # The client ends the call's stream once its frames are taken.
+            async with asyncio.timeout(idle_s):
+                reader.refuse_more(await fallback)
+            return "bulk"
+        finally:
+            self.tickets.withdraw(ticket)
+            handoff.close()
+            if not fallback.done():
+                fallback.cancel()
+
     def _spawn(self, coroutine: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
@@ -445,12 +520,17 @@ class BulkPool:
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def push(self, host: str, port: int, ticket: bytes, values: Floats, codec: Codec,
-             abort: Abort | None = None) -> int:
-        """Send `values` under `ticket`; returns the data bytes sent. `abort` can end
-        it from another thread."""
+    def push(self, host: str, port: int, ticket: bytes, values: Floats | Sequence[Floats],
+             codec: Codec, abort: Abort | None = None) -> int:
+        """Send `values` (or several vectors, one after the other as one) under
+        `ticket`; returns the data bytes sent. `abort` can end it from another thread."""
+        parts = [values] if isinstance(values, np.ndarray) else list(values)
+
         def work(conn: socket.socket) -> int:
-            sent = send_frames(conn, values, codec)
+            sent = start = 0
+            for part in parts:
+                sent += send_frames(conn, part, codec, start=start)
+                start += part.size
             if _recv_exactly(conn, 1) != _TAKEN:
                 raise ConnectionError("the bulk port did not take every frame")
             return sent
@@ -528,3 +608,67 @@ def _refusal(conn: socket.socket, status: bytes) -> BulkError:
     (length,) = struct.unpack("<H", _recv_exactly(conn, 2))
     reason, _, message = _recv_exactly(conn, length).decode().partition(": ")
     return BulkError(reason, message)
+
+
+# -- a client-streaming call that carries its bytes on the bulk channel ---------------
+
+
+async def push_announced(pool: BulkPool, call: Any, host: str,
+                         values: Floats | Sequence[Floats], codec: Codec,
+                         unreachable: Callable[[BulkUnreachable], None]) -> str:
+    """The client's end of `BulkServer.receive`: the frames on the bulk connection
+    the call's initial metadata names. Returns "grpc" when the chunks are to follow
+    on the call instead (a server without a bulk port, one whose port cannot be
+    reached — `unreachable` is told why — or a refused ticket), else "bulk": the
+    frames went, or the call was refused before any ticket, or the connection was
+    cut, and the call's status says why."""
+    initial = {key: value for key, value in await call.initial_metadata() or ()}
+    ticket, port = initial.get(metadata.BULK_TICKET), initial.get(metadata.BULK_PORT)
+    if port == "0":
+        return "grpc"
+    if not ticket or not port:
+        return "bulk"
+    # A call that ends first (its replica left behind, cut off) takes its transfer
+    # with it: the worker would otherwise wait on a peer that may never answer.
+    abort = Abort()
+    call.add_done_callback(lambda _: abort.cut())
+    try:
+        await asyncio.to_thread(pool.push, host, int(port), bytes.fromhex(str(ticket)),
+                                values, codec, abort)
+    except BulkUnreachable as exc:
+        unreachable(exc)
+        return "grpc"
+    except BulkError as exc:
+        if exc.reason != "bad_ticket":
+            raise
+        return "grpc"  # the call still waits for the chunks: they go there
+    except (OSError, ConnectionError):
+        pass  # cut: the call's status says why (cut, corrupt), and it is sent again
+    return "bulk"
+
+
+async def open_stream(start: Callable[[AsyncIterator[M]], C], header: M,
+                      chunks: Callable[[], Iterable[M]],
+                      bulk: Callable[[C], Awaitable[str]] | None) -> C:
+    """Start a client-streaming call with `header`; its chunks follow on the call,
+    or, with `bulk`, go on the bulk channel `bulk(call)` moves them on, unless it
+    answers "grpc". Returns the call, to await for its answer."""
+    took: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    if bulk is None:
+        took.set_result("grpc")
+
+    async def messages() -> AsyncIterator[M]:
+        yield header
+        # Shielded: a cancelled call cancels this generator's task, not the decision.
+        if await asyncio.shield(took) == "grpc":
+            for message in chunks():
+                yield message
+
+    call = start(messages())
+    try:
+        if bulk is not None:
+            took.set_result(await bulk(call))
+    finally:
+        if not took.done():  # the bulk transfer failed or was cancelled
+            took.set_result("bulk")
+    return call

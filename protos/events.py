@@ -218,6 +218,14 @@ class StandbyLost(TypedDict):
     error: str
 
 
+class StandbyBulkFallback(TypedDict):
+    """A standby's bulk port could not be reached from the leader: the versions it
+    replicates there go as gRPC chunks."""
+    replica: str
+    address: str
+    error: str
+
+
 class LearnerJoin(TypedDict):
     learner: str
     run_id: str
@@ -498,6 +506,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("coordinator", "standby_in_sync"): StandbyInSync,
     ("coordinator", "standby_lagging"): StandbyLagging,
     ("coordinator", "standby_lost"): StandbyLost,
+    ("coordinator", "bulk_fallback"): StandbyBulkFallback,
     ("learner", "join"): LearnerJoin,
     ("learner", "redirect"): Redirect,
     ("learner", "bulk_fallback"): BulkFallback,

@@ -34,7 +34,9 @@ async def stream(messages: Iterable[pb.ReplicaMessage]) -> AsyncIterator[pb.Repl
 
 
 def roundtrip(messages: Iterable[pb.ReplicaMessage]) -> tuple[int, RunRecord, FragmentRecord]:
-    return asyncio.run(read_replica(stream(messages)))
+    epoch, run, got, transport = asyncio.run(read_replica(stream(messages)))
+    assert transport == "grpc"
+    return epoch, run, got
 
 
 def test_a_version_survives_the_wire_bit_for_bit() -> None:
