@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,30 @@ def test_the_names_the_pieces_dial_each_other_by_agree() -> None:
     assert flag(args, "--coordinator") == ",".join(f"{n}:50051" for n in pod_names(coordinators))
     assert flag(args, "--learner-id") == "learner-$(LEARNER_INDEX)"
     assert flag(args, "--shard") == "$(LEARNER_INDEX)"
+
+
+@pytest.mark.parametrize("overlay", ["base", "gpu"])
+def test_the_bulk_port_is_fixed_and_exposed_where_the_grpc_port_is(overlay: str) -> None:
+    """The ConfigMap's bulk_port is the port the container lists and the Service
+    exposes: with the default (0, a free port at each start) nothing could name it."""
+    docs = rendered(overlay)
+    config = tomllib.loads(find(docs, "ConfigMap", "ftsync-coordinator")["data"]
+                           ["coordinator.toml"])
+    assert config["bulk_port"] > 0
+    container = {p["name"]: p for p in only_container(
+        find(docs, "StatefulSet", "ftsync-coordinator"))["ports"]}
+    service = {p["name"]: p for p in find(docs, "Service", "ftsync-coordinator")["spec"]["ports"]}
+    assert container["bulk"]["containerPort"] == config["bulk_port"]
+    assert service["bulk"]["port"] == config["bulk_port"]
+    assert service["bulk"].get("targetPort", service["bulk"]["port"]) in (config["bulk_port"],
+                                                                          "bulk")
+    assert not [d for d in docs if d["kind"] == "NetworkPolicy"]  # none to open it in
+    # The compose file fixes the same port and lists it beside the gRPC port.
+    compose = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
+    for name in ("coordinator-0", "coordinator-1"):
+        coordinator = compose["services"][name]
+        assert f"--set=bulk_port={config['bulk_port']}" in coordinator["entrypoint"]
+        assert str(config["bulk_port"]) in coordinator["expose"]
 
 
 def test_services_and_budgets_select_their_pods() -> None:
@@ -442,6 +467,7 @@ def test_every_ftsync_container_passes_its_own_check_config(
     assert ("ha.advertise = 'ftsync-coordinator-1.ftsync-coordinator:50051'"
             in by_pod["ftsync-coordinator-1"].out)
     assert "policy.min_quorum = 2" in by_pod["ftsync-coordinator-0"].out  # the ConfigMap's
+    assert "bulk_port = 50052" in by_pod["ftsync-coordinator-0"].out
     learner = by_pod["ftsync-learner-3-x7k2q"].out
     assert "--learner-id = 'learner-3'" in learner and "--shard = 3" in learner
     assert "learner-learner-3.pem" in learner
