@@ -107,7 +107,8 @@ class LearnerSpec:
     task: Literal["lm-stdlib", "digits", "synthetic"] = "lm-stdlib"
     size: Literal["tiny", "small", "base"] = "small"
     steps: int = 600
-    sync_every: int = 20
+    # H, or "auto": the coordinator assigns each learner its own (policy.h_min/h_max).
+    sync_every: int | Literal["auto"] = 20
     fragments: int = 4
     overlap: int = 2
     compression: Literal["fp32", "bf16", "int8", "e3m0"] = "fp32"
@@ -126,6 +127,8 @@ class LearnerSpec:
 
     def __post_init__(self) -> None:
         for key in ("count", "steps", "sync_every", "fragments", "overlap", "threads"):
+            if key == "sync_every" and self.sync_every == "auto":
+                continue
             if getattr(self, key) < 1:
                 raise ValueError(f"learners.{key} must be at least 1 (got {getattr(self, key)})")
         if not 0 <= self.spares <= self.count:

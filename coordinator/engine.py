@@ -90,6 +90,8 @@ class JoinResult:
     run_id: str
     fragments: list[FragmentView]
     next_seq: int
+    # The H assigned to a learner that asked for one (0: it keeps its own).
+    sync_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -386,12 +388,13 @@ class Engine:
                            f"layout {layout.hash!r} does not match the run's: "
                            f"{'; '.join(diffs) or counts}")
         next_seq = self.policy.join(request.learner_id, self.clock(),
-                                    request.overlap_steps or None)
+                                    request.overlap_steps or None, request.auto_sync_every)
         stats = self.learners.setdefault(request.learner_id, LearnerStats())
         stats.host = request.host
         self.events.emit("join", learner=request.learner_id, host=request.host,
                          pid=request.pid, next_seq=next_seq)
-        return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq)
+        return JoinResult(self.run.run_id, self.views(request.learner_id), next_seq,
+                          self.assign_sync_every(request.learner_id))
 
     def check_room(self, params: int) -> None:
         """Refuse a run this daemon could not hold, before allocating any of it."""
@@ -406,7 +409,9 @@ class Engine:
                            f"the layout has {params:,} parameters; this coordinator takes at "
                            f"most {limit:,} ({where})")
 
-    def heartbeat(self, learner_id: str, local_step: int, backlog: int) -> list[FragmentView]:
+    def heartbeat(self, learner_id: str, local_step: int,
+                  backlog: int) -> tuple[list[FragmentView], int]:
+        """The learner's views and the H assigned to it (0: it keeps its own)."""
         self.require_leader()
         policy = self._policy()
         policy.require_member(learner_id)
@@ -414,7 +419,22 @@ class Engine:
         stats = self.learners.setdefault(learner_id, LearnerStats())
         stats.local_step, stats.backlog = local_step, backlog
         self._wake.set()
-        return self.views(learner_id)
+        return self.views(learner_id), self.assign_sync_every(learner_id)
+
+    def assign_sync_every(self, learner_id: str) -> int:
+        """The H for a learner that takes it from here (0 for one that does not);
+        a new one goes to the event log and the ftsync_sync_every gauge."""
+        choice = self._policy().assign_sync_every(learner_id, self.clock())
+        if choice is None:
+            return 0
+        if choice.sync_every != choice.previous:
+            config = self.config.policy
+            self.metrics.sync_every.set(choice.sync_every, {"learner": learner_id})
+            self.events.emit("sync_every", learner=learner_id, sync_every=choice.sync_every,
+                             previous=choice.previous, step_s=choice.step_s,
+                             period_s=choice.period_s, h_min=config.h_min,
+                             h_max=config.h_max)
+        return choice.sync_every
 
     def leave(self, learner_id: str, reason: str) -> None:
         self.require_leader()

@@ -129,6 +129,11 @@ class Metrics:
             "ftsync_quorum",
             description="the quorum the last closed round of a fragment needed (with "
                         "policy.min_quorum = \"auto\", the one it chose)")
+        self.sync_every = meter.create_gauge(
+            "ftsync_sync_every",
+            description="the H (local steps between two pushes of a fragment) last "
+                        "assigned to each learner that takes it from the coordinator "
+                        "(sync_every = \"auto\")")
         self.quorum_wait = meter.create_histogram(
             "ftsync_quorum_wait", unit="s",
             description="time from a round's first contribution to quorum")

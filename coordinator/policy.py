@@ -27,6 +27,13 @@ With `min_quorum = "auto"` each round chooses its own quorum K when it opens
 EWMA), time from the live learners' recent push intervals (each one's median,
 not its mean): a round of K waits for the K-th fastest.
 
+With `sync_every = "auto"` a learner takes its H, the local steps between two
+pushes of a fragment, from the coordinator (`choose_sync_every`): every such
+learner is given the same wall-clock period, `h_max` steps of the fastest, so
+H_i ≈ h_max · ξ_fastest / ξ_i within [h_min, h_max]. A learner four times slower
+gets a quarter of the steps and pushes each fragment as often as the others, so
+their pushes meet in one round instead of the slow one's arriving versions behind.
+
 A round holds one contribution per learner and base version: a second push of
 a learner against the base of one it has in the open round replaces it (each
 push carries the progress since the learner's previous one, so the newer stands
@@ -85,6 +92,10 @@ class PolicyConfig:
     merge: MergeRule = "mean"
     heartbeat_timeout_s: float = 10.0
     default_overlap_steps: int = 1
+    # Bounds of the H assigned to learners that ask for one (`sync_every = "auto"`):
+    # the fastest gets h_max, none fewer than h_min (nor than its own τ).
+    h_min: int = 4
+    h_max: int = 50
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +110,8 @@ class PolicyConfig:
             (self.merge in ("mean", "rda"), "merge", "must be 'mean' or 'rda'"),
             (self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", "must be > 0"),
             (self.default_overlap_steps >= 1, "default_overlap_steps", "must be >= 1"),
+            (self.h_min >= 1, "h_min", "must be >= 1"),
+            (self.h_max >= self.h_min, "h_max", f"must be >= policy.h_min ({self.h_min})"),
         ]
         check(self, checks, "policy.")
 
@@ -187,6 +200,43 @@ def choose_quorum(noise_ratio: float | None, cycles_s: Sequence[float], fixed_s:
 
 
 @dataclass(frozen=True)
+class SyncEveryChoice:
+    """The H assigned to one learner and what it came from: `step_s` its measured
+    step time (None: not measured yet; then it was taken at the median of those
+    measured), `period_s` the wall-clock period every assigned learner is fitted to
+    (None before any step time is known: then H is h_max), `previous` the H it was
+    assigned before (0: none)."""
+
+    sync_every: int
+    step_s: float | None
+    period_s: float | None
+    previous: int = 0
+
+
+def choose_sync_every(step_times: Mapping[str, float | None], overlaps: Mapping[str, int],
+                      h_min: int, h_max: int) -> dict[str, SyncEveryChoice]:
+    """Each learner's H, so that all push each fragment once per the same period.
+
+    The period is h_max steps of the fastest learner; learner i gets
+    H_i = round(period / ξ_i) clamped to [max(h_min, τ_i), h_max] (the schedule needs
+    H ≥ τ): a learner k times slower does k times fewer steps per period, so its
+    push of a fragment comes with the others' instead of k rounds behind them. A
+    learner whose step time is not measured yet is taken at the median of those
+    measured. The weights still count each push's c_tokens and c_steps, so a learner
+    with more steps counts for its work."""
+    known = sorted(s for s in step_times.values() if s is not None and s > 0)
+    period = h_max * known[0] if known else None
+    typical = known[len(known) // 2] if known else None
+    choices = {}
+    for lid, step_s in step_times.items():
+        low = max(h_min, overlaps.get(lid, 1))
+        each = step_s if step_s is not None and step_s > 0 else typical
+        h = h_max if period is None or each is None else math.floor(period / each + 0.5)
+        choices[lid] = SyncEveryChoice(min(max(h, low), max(h_max, low)), step_s, period)
+    return choices
+
+
+@dataclass(frozen=True)
 class RoundClose:
     """A closed round: the version it commits as and its manifest."""
 
@@ -236,6 +286,10 @@ class _Learner:
     overlap_steps: int
     joined_at: float
     last_seen: float
+    # Whether it takes its H from the coordinator (`sync_every = "auto"`), and the
+    # one it was last assigned (0: none yet).
+    auto_sync_every: bool = False
+    sync_every: int = 0
     # The first seq of its current life (the `next_seq` its last Join was given). A
     # push of a life that ended (the process restarted) is never replaced by one since:
     # the new life's outer gradient holds none of the old one's progress.
@@ -332,9 +386,11 @@ class Policy:
 
     # -- membership -------------------------------------------------------
 
-    def join(self, learner_id: str, now: float, overlap_steps: int | None = None) -> int:
+    def join(self, learner_id: str, now: float, overlap_steps: int | None = None,
+             auto_sync_every: bool = False) -> int:
         """Register (or re-register) a learner; returns the first seq it may use:
-        above every seq of it this policy has seen or restored.
+        above every seq of it this policy has seen or restored. `auto_sync_every`:
+        it takes its H from `assign_sync_every`.
 
         A learner joining again (restarted) is not live until it heartbeats or
         contributes: it catches up first and meanwhile holds no round open, and
@@ -343,7 +399,8 @@ class Policy:
         first_seq = self._seen_seq.get(learner_id, 0) + 1
         self._learners[learner_id] = _Learner(
             overlap_steps=overlap_steps or self.config.default_overlap_steps,
-            joined_at=now, last_seen=now, first_seq=first_seq)
+            joined_at=now, last_seen=now, first_seq=first_seq,
+            auto_sync_every=auto_sync_every)
         if again:
             self.membership.drop(learner_id)
         else:
@@ -382,6 +439,25 @@ class Policy:
     def step_time(self, learner_id: str) -> float | None:
         learner = self._learners.get(learner_id)
         return learner.step_time_s if learner else None
+
+    def assign_sync_every(self, learner_id: str, now: float) -> SyncEveryChoice | None:
+        """The H to tell `learner_id` now (None: it keeps its own), from the step times
+        of it and of every live learner that takes its H from here (`choose_sync_every`);
+        recorded as the learner's current H. The step times come from the local steps
+        that heartbeats and pushes report (a push's local step is c_steps past the
+        previous push's), so a straggler fault that starts or ends moves the H within
+        a few heartbeats."""
+        learner = self._member(learner_id)
+        if not learner.auto_sync_every:
+            return None
+        fitted = {lid: self._learners[lid] for lid in self.live_learners(now)
+                  if self._learners[lid].auto_sync_every}
+        fitted[learner_id] = learner
+        choice = choose_sync_every({lid: lr.step_time_s for lid, lr in fitted.items()},
+                                   {lid: lr.overlap_steps for lid, lr in fitted.items()},
+                                   self.config.h_min, self.config.h_max)[learner_id]
+        previous, learner.sync_every = learner.sync_every, choice.sync_every
+        return replace(choice, previous=previous)
 
     # -- fragments ---------------------------------------------------------
 

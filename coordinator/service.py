@@ -126,17 +126,17 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 heartbeat_interval_ms=config.heartbeat_interval_ms,
                 chunk_bytes=config.limits.chunk_bytes,
                 max_staleness=config.policy.max_staleness, next_seq=result.next_seq,
-                epoch=self.engine.epoch)
+                epoch=self.engine.epoch, sync_every=result.sync_every)
         return await self._call("Join", request.learner_id, context, join)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
                         context: Context) -> pb.HeartbeatResponse:
         def heartbeat() -> pb.HeartbeatResponse:
-            views = self.engine.heartbeat(request.learner_id, request.local_step,
-                                          request.backlog)
+            views, sync_every = self.engine.heartbeat(request.learner_id, request.local_step,
+                                                      request.backlog)
             run_id = self.engine.run.run_id if self.engine.run else ""
             return pb.HeartbeatResponse(run_id=run_id, fragments=_statuses(views),
-                                        epoch=self.engine.epoch)
+                                        epoch=self.engine.epoch, sync_every=sync_every)
         return await self._call("Heartbeat", request.learner_id, context, heartbeat)
 
     async def Leave(self, request: pb.LeaveRequest,

@@ -94,7 +94,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     try:
         codec_named(args.compression)
         SyncSettings(sync_every=args.sync_every, overlap_steps=args.overlap, alpha=args.alpha,
-                     rule=ApplyRule(args.apply_rule))
+                     lockstep=args.lockstep, rule=ApplyRule(args.apply_rule))
         args.peer_settings = PeerSettings(peers=tuple(args.peers), serve=args.serve_peers,
                                           transport=args.peer_transport, insecure=args.insecure)
         args.tls = tls.from_flags(args, insecure=args.insecure)
@@ -137,7 +137,10 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda:N")
     parser.add_argument("--steps", type=int, default=500, help="inner steps to run at most")
     parser.add_argument("--tokens", type=int, default=0, help="stop after this many tokens")
-    parser.add_argument("--sync-every", type=int, default=20, help="H: steps per fragment sync")
+    parser.add_argument("--sync-every", type=_sync_every, default=20,
+                        help="H: steps per fragment sync, or auto (the coordinator assigns "
+                             "each learner its H from its step rate, within policy.h_min "
+                             "and policy.h_max)")
     parser.add_argument("--fragments", type=int, default=4, help="P: fragments of the model")
     parser.add_argument("--overlap", type=int, default=2, help="τ: steps before applying")
     parser.add_argument("--alpha", type=float, default=0.0, help="blend of local values kept")
@@ -215,6 +218,17 @@ def _describe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
             value = "<set>" if value else "<none>"
         lines.append(f"{action.option_strings[-1]} = {value!r}")
     return "\n".join(lines)
+
+
+def _sync_every(text: str) -> int | str:
+    """--sync-every: a number of steps, or "auto" (the coordinator assigns it)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of steps or auto (got {text!r})") from None
 
 
 def _addresses(value: str) -> list[str]:
@@ -529,7 +543,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
         args.coordinator, args.learner_id, layout_hash(numels, f"synthetic-{args.dim}"), numels,
         token=args.token, overlap_steps=args.overlap, codec=args.compression,
         retry=Retry(give_up_after_s=args.connect_timeout), events=events,
-        tls=args.tls_material)
+        tls=args.tls_material, auto_sync_every=args.sync_every == "auto")
 
     def read(p: int) -> np.ndarray:
         a, b = bounds[p]

@@ -203,9 +203,11 @@ class SynchronizerClient:
                  codec: str = "fp32", retry: Retry | None = None,
                  events: EventLog | None = None, device: str = "cpu",
                  tls: TlsMaterial | None = None, metrics: LearnerMetrics | None = None,
-                 bulk: bool = True, pull_codec: str | None = None) -> None:
+                 bulk: bool = True, pull_codec: str | None = None,
+                 auto_sync_every: bool = False) -> None:
         """`pull_codec`: the codec pulls ask for deltas in (None: `codec`'s; "fp32":
-        the committed values, as before compressed pulls)."""
+        the committed values, as before compressed pulls). `auto_sync_every`: ask the
+        coordinator for H at every Join; `sync_every` holds the last one assigned."""
         self.learner_id = learner_id
         # Fragment bytes on the coordinator's bulk port (TLS as the gRPC channel is);
         # gRPC chunks with `bulk` off, and to a coordinator whose port is unreachable.
@@ -219,6 +221,9 @@ class SynchronizerClient:
         self.layout_hash = layout_hash
         self.numels = numels
         self.overlap_steps = overlap_steps
+        self.auto_sync_every = auto_sync_every
+        # The H the coordinator last assigned (0: none, or not asked for).
+        self.sync_every = 0
         self.codec: Codec = codec_named(codec)
         self.pull_codec: Codec = self.codec if pull_codec is None else codec_named(pull_codec)
         # Per fragment, the coordinator's reference of `pull_codec` held: (version, its id,
@@ -272,6 +277,7 @@ class SynchronizerClient:
         request = pb.JoinRequest(
             learner_id=self.learner_id, overlap_steps=self.overlap_steps,
             host=socket.gethostname(), pid=os.getpid(), device=self.device,
+            auto_sync_every=self.auto_sync_every,
             layout=pb.Layout(hash=self.layout_hash, fragments=[
                 pb.FragmentSpec(fragment=i, numel=n) for i, n in enumerate(self.numels)]))
         async def join_once() -> pb.JoinResponse:
@@ -284,6 +290,7 @@ class SynchronizerClient:
         self.run_id = response.run_id
         self.chunk_bytes = response.chunk_bytes or self.chunk_bytes
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0 or 1.0
+        self.sync_every = response.sync_every
         self._next_seq = max(self._next_seq, response.next_seq)
         self._observe(response.fragments)
         for contribution in self.outbox.values():
@@ -303,6 +310,7 @@ class SynchronizerClient:
             self._check_epoch(reply.epoch)
             return reply
         response = await self._call(heartbeat_once)
+        self.sync_every = response.sync_every or self.sync_every
         self._observe(response.fragments)
 
     async def leave(self, reason: str) -> None:

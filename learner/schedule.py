@@ -13,11 +13,16 @@ followed. In lock-step the learner waits for each merge instead of falling
 back, and a learner joining mid-run resumes at the step that keeps it in
 phase with the others.
 
+With `sync_every = "auto"` the coordinator assigns H (`assigned`). A new H
+takes effect at a cycle boundary, the next step at which fragment 0 is due:
+from that step k₀ on, fragment p is due at `k₀ + t_p + n·H` with the new
+offsets, so the fragments stay staggered and no push is cut short.
+
 The machine does no I/O and reads no clock: the streaming runtime
 (`learner.streaming.FragmentSync`), the Flower adapter (`learner.flower`) and
 the simulator (`chaos.sim`) feed it events (`step`, `acked`, `refused`,
-`pulled`, `published`) and carry out the actions it returns (`Push`, `Pull`,
-`Apply`, `FallBack`) in order; the Flower adapter steps once per fit and,
+`pulled`, `published`, `assigned`) and carry out the actions it returns (`Push`,
+`Pull`, `Apply`, `FallBack`) in order; the Flower adapter steps once per fit and,
 before the next fit, waits for every answer and applies what came
 (`unanswered`, `apply_now`). What an apply keeps of the local steps since
 the push (`ApplyRule`) is decided here too, so all three drivers count the
@@ -167,6 +172,8 @@ def lockstep_resume_step(versions: Mapping[int, int], sync_every: int) -> int:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
+    # H, the steps between two pushes of a fragment (the coordinator may assign
+    # another: `Schedule.assigned`).
     sync_every: int
     fragments: int
     overlap: int = 1
@@ -223,6 +230,9 @@ class Schedule:
         self.config = config
         self._boundary = config.rule == ApplyRule.BOUNDARY
         self._carry = config.rule == ApplyRule.CARRY
+        # The H in force, and one assigned that waits for the next cycle boundary.
+        self.sync_every = config.sync_every
+        self._assigned: int | None = None
         self.offsets = offsets(config.sync_every, config.fragments)
         self.step_count = 0
         self.fragments: list[_Fragment] = []
@@ -248,7 +258,7 @@ class Schedule:
             step = (lockstep_resume_step(versions, self.config.sync_every)
                     if self.config.lockstep else 0)
         commits = commits or {}
-        h = self.config.sync_every
+        h = self.sync_every
         self.step_count = step
         self.fragments = [_Fragment(versions[p], commits.get(p, 0),
                                     t + h * max(1, (step - t) // h + 1))
@@ -271,6 +281,8 @@ class Schedule:
         config = self.config
         actions: list[Action] = []
         boundary = self._boundary
+        if self._assigned is not None and k >= self._due:
+            self._realign(k)
         for p, f in enumerate(self.fragments):
             phase = f.phase
             if phase == _IDLE:
@@ -282,7 +294,7 @@ class Schedule:
                   and k >= f.apply_at + config.overlap):
                 self._fall_back(p, f, actions)
         if k >= self._due:
-            h = config.sync_every
+            h = self.sync_every
             for p, f in enumerate(self.fragments):
                 if f.due < k:  # a driver skipped past it: due again a period later
                     f.due += h * ((k - f.due + h - 1) // h)
@@ -364,6 +376,23 @@ class Schedule:
         f.ready = (version, commit_id, rewound)
         return True
 
+    def assigned(self, sync_every: int) -> None:
+        """The coordinator assigns H = `sync_every`. Before `start` the schedule
+        starts with it; after, it takes effect at the next step at which fragment 0
+        is due (a later assignment before then replaces this one)."""
+        if self.config.lockstep:
+            raise ValueError("an assigned sync_every needs lockstep off: lock-step "
+                             "resumes learners in phase by one H for all")
+        if sync_every < self.config.overlap:
+            raise ValueError(f"assigned sync_every (H) must be at least overlap (τ = "
+                             f"{self.config.overlap}), got {sync_every}")
+        self._next = None
+        if not self.fragments:
+            self.sync_every = sync_every
+            self.offsets = offsets(sync_every, self.config.fragments)
+            return
+        self._assigned = None if sync_every == self.sync_every else sync_every
+
     def published(self, p: int, version: int, commit_id: int) -> None:
         """The coordinator publishes `version` of p under `commit_id` (heartbeats)."""
         self._fragment(p).published = (version, commit_id)
@@ -429,6 +458,20 @@ class Schedule:
             raise ValueError(f"fragment {p} is not one of the {len(self.fragments)} started")
         return self.fragments[p]
 
+    def _realign(self, k: int) -> None:
+        """At a cycle boundary (fragment 0 due at k) take the assigned H: fragment
+        p is next due at k + t_p with the new offsets (fragment 0 now)."""
+        h, zero = self.sync_every, self.fragments[0]
+        if zero.due < k:  # a driver skipped past it
+            zero.due += h * ((k - zero.due + h - 1) // h)
+        if zero.due != k or self._assigned is None:
+            return
+        self.sync_every, self._assigned = self._assigned, None
+        self.offsets = offsets(self.sync_every, self.config.fragments)
+        for f, t in zip(self.fragments, self.offsets, strict=True):
+            f.due = k + t
+        self._due = k
+
     def _push_action(self, p: int, f: _Fragment, k: int) -> Push:
         self._tickets += 1
         push = Push(p, f.base, self._tokens - f.token_mark, k - f.step_mark, k, self._tickets)
@@ -450,7 +493,7 @@ class Schedule:
         f.phase = phase
         f.ticket = push.ticket
         f.want, f.fell_back = f.base, False
-        gap = self.config.sync_every if self._boundary else self.config.overlap
+        gap = self.sync_every if self._boundary else self.config.overlap
         f.apply_at = k + gap
 
     def _pull(self, p: int, f: _Fragment) -> Pull:

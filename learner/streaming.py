@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from opentelemetry import trace
@@ -99,7 +99,9 @@ class _Outgoing:
 
 @dataclass(frozen=True)
 class SyncSettings:
-    sync_every: int = 50
+    # H, or "auto": the coordinator assigns it at join and in heartbeats, from the
+    # learners' measured step rates (the client must ask: `auto_sync_every`).
+    sync_every: int | Literal["auto"] = 50
     overlap_steps: int = 1
     alpha: float = 0.0
     # Outer gradients waiting to be sent, beyond which the oldest is dropped.
@@ -112,11 +114,24 @@ class SyncSettings:
     rule: ApplyRule = ApplyRule.OVERWRITE
 
     def __post_init__(self) -> None:
+        if isinstance(self.sync_every, str) and self.sync_every != "auto":
+            raise ValueError(f"sync_every must be a number of steps or 'auto', got "
+                             f"{self.sync_every!r}")
+        if self.auto and self.lockstep:
+            raise ValueError("sync_every 'auto' needs lockstep off: lock-step keeps every "
+                             "learner in phase by one H for all")
         self.schedule(1)  # the schedule's own checks, with their messages
 
+    @property
+    def auto(self) -> bool:
+        return self.sync_every == "auto"
+
     def schedule(self, fragments: int) -> ScheduleConfig:
-        return ScheduleConfig(self.sync_every, fragments, self.overlap_steps, self.alpha,
-                              self.lockstep, self.rule)
+        """The schedule's config; with "auto" its H is τ until the coordinator's
+        assignment at join replaces it (`Schedule.assigned`, before any step)."""
+        h = self.overlap_steps if isinstance(self.sync_every, str) else self.sync_every
+        return ScheduleConfig(h, fragments, self.overlap_steps, self.alpha, self.lockstep,
+                              self.rule)
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,10 @@ class FragmentSync:
                  peers: PeerSettings | None = None) -> None:
         # Spans go where OTEL_EXPORTER_OTLP_ENDPOINT (or FTSYNC_TRACE_CONSOLE) says.
         telemetry.configure_tracing("ftsync-learner", client.learner_id)
+        if settings.auto != client.auto_sync_every:
+            raise ValueError(f"sync_every {settings.sync_every!r} needs a client that "
+                             f"{'asks' if settings.auto else 'does not ask'} for its H "
+                             f"(SynchronizerClient auto_sync_every={settings.auto})")
         self.client = client
         self.settings = settings
         self.read = read
@@ -167,6 +186,8 @@ class FragmentSync:
         self.pull_timeouts = 0
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
+        # The H last handed to the schedule (sync_every "auto").
+        self._assigned = 0
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -216,6 +237,13 @@ class FragmentSync:
             self.peer_address = await self._peer_server.start(self.peers.serve,
                                                               self.peers.insecure)
         response = await self.client.join()
+        if self.settings.auto:
+            if not response.sync_every:
+                raise RuntimeError(f"the coordinator at {self.client.address} assigned no "
+                                   f"sync_every: 'auto' needs one that assigns H (a "
+                                   f"coordinator of this version)")
+            self.schedule.assigned(response.sync_every)
+            self._assigned = response.sync_every
         # The published versions, read by the coordinator in one step: a consistent vector.
         published = {status.fragment: status for status in response.fragments}
         versions = {p: status.version for p, status in published.items()}
@@ -349,6 +377,10 @@ class FragmentSync:
             for p, (version, commit_id) in list(self.client.published.items()):
                 if p < len(self.fragments):
                     self.schedule.published(p, version, commit_id)
+            assigned = self.client.sync_every
+            if self.settings.auto and assigned != self._assigned:
+                self.schedule.assigned(assigned)  # at the next cycle boundary
+                self._assigned = assigned
             if self.schedule.waits_at(k):
                 self._wait_for(lambda: not self.schedule.waits_at(k))
             actions = self.schedule.step(k, tokens)
@@ -381,9 +413,10 @@ class FragmentSync:
         return queued + self.client.backlog
 
     def progress(self) -> dict[str, Any]:
-        """Step, versions pushed into and applied, backlog, outbox outcomes."""
+        """Step, H in force, versions pushed into and applied, backlog, outbox outcomes."""
         stats = self.client.stats
-        return {"step": self.local_step, "pushed": dict(stats.pushed),
+        return {"step": self.local_step, "sync_every": self.schedule.sync_every,
+                "pushed": dict(stats.pushed),
                 "versions": dict(self.applied_versions), "backlog": self.backlog,
                 "merged": stats.merged, "dropped": dict(stats.dropped),
                 "repushed": stats.repushed}

@@ -131,6 +131,20 @@ class Commit(TypedDict):
     epoch: NotRequired[int]
 
 
+class SyncEvery(TypedDict):
+    """A learner that takes its H from the coordinator was assigned another
+    (`SyncEveryChoice`): its step time, the period every such learner is fitted to,
+    the bounds, and the H before (0: its first)."""
+
+    learner: str
+    sync_every: int
+    previous: int
+    step_s: float | None
+    period_s: float | None
+    h_min: int
+    h_max: int
+
+
 class CommitAbandoned(TypedDict):
     fragment: int
     version: int
@@ -492,6 +506,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("coordinator", "reject"): Reject,
     ("coordinator", "commit"): Commit,
     ("coordinator", "commit_abandoned"): CommitAbandoned,
+    ("coordinator", "sync_every"): SyncEvery,
     ("coordinator", "leave"): Leave,
     ("coordinator", "resume"): Resume,
     ("coordinator", "elected"): Elected,

@@ -47,23 +47,25 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., merged_seq: _Optional[int] = ..., commit_id: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout", "overlap_steps", "host", "pid", "device")
+    __slots__ = ("learner_id", "layout", "overlap_steps", "host", "pid", "device", "auto_sync_every")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     layout: Layout
     overlap_steps: int
     host: str
     pid: int
     device: str
-    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., overlap_steps: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    auto_sync_every: bool
+    def __init__(self, learner_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., overlap_steps: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., auto_sync_every: bool = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("run_id", "fragments", "heartbeat_interval_ms", "chunk_bytes", "max_staleness", "next_seq", "epoch")
+    __slots__ = ("run_id", "fragments", "heartbeat_interval_ms", "chunk_bytes", "max_staleness", "next_seq", "epoch", "sync_every")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class JoinResponse(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     heartbeat_interval_ms: int
@@ -78,7 +81,8 @@ class JoinResponse(_message.Message):
     max_staleness: int
     next_seq: int
     epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., heartbeat_interval_ms: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_staleness: _Optional[int] = ..., next_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sync_every: int
+    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., heartbeat_interval_ms: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_staleness: _Optional[int] = ..., next_seq: _Optional[int] = ..., epoch: _Optional[int] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner_id", "local_step", "backlog")
@@ -91,14 +95,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., local_step: _Optional[int] = ..., backlog: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("run_id", "fragments", "epoch")
+    __slots__ = ("run_id", "fragments", "epoch", "sync_every")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     epoch: int
-    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    sync_every: int
+    def __init__(self, run_id: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., epoch: _Optional[int] = ..., sync_every: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "fragment", "layout_hash", "seq", "base_version", "c_tokens", "c_steps", "local_step", "codec", "numel", "init", "bulk")

@@ -51,3 +51,22 @@ def test_coordinator_check_config_takes_a_quorum_that_chooses_itself() -> None:
     assert code == 2 and "policy.min_quorum must be int or one of ['auto']" in err, err
     code, out, err = run_check(["ftsync-coordinator", "--set", "policy.min_quorum_max=-1"])
     assert code == 2 and "policy.min_quorum_max must be >= 0" in err, err
+
+
+def test_sync_every_auto_and_its_bounds_are_checked_by_name() -> None:
+    code, out, _ = run_check(["ftsync-learner", "--sync-every", "auto"])
+    assert code == 0 and "--sync-every = 'auto'" in out, out
+    refusals = {
+        ("ftsync-learner", "--sync-every", "banana"):
+            "--sync-every: must be a number of steps or auto (got 'banana')",
+        ("ftsync-learner", "--sync-every", "auto", "--lockstep"):
+            "sync_every 'auto' needs lockstep off",
+        ("ftsync-coordinator", "--set", "policy.h_min=0"): "policy.h_min must be >= 1",
+        ("ftsync-coordinator", "--set", "policy.h_min=8", "--set", "policy.h_max=4"):
+            "policy.h_max must be >= policy.h_min (8)",
+    }
+    for argv, words in refusals.items():
+        code, out, err = run_check(list(argv))
+        assert code == 2 and words in err and not out, (argv, err)
+    code, out, _ = run_check(["ftsync-coordinator", "--set", "policy.h_max=20"])
+    assert code == 0 and "policy.h_max = 20" in out, out

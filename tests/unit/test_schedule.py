@@ -147,6 +147,45 @@ def test_a_driver_that_waits_applies_each_merge_before_the_next_step() -> None:
         (0, 1, 1), (1, 0, 1)]
 
 
+def test_an_assigned_h_takes_effect_at_the_next_cycle_boundary() -> None:
+    schedule = started()  # H 4, offsets 0 and 2
+    run_to(schedule, 1)
+    schedule.assigned(8)
+    # Fragment 0 is due at 4 under the old H: from there the offsets are those of 8
+    # (0 and 4), so fragment 1 waits until 8 instead of 6, and its push holds all 8.
+    pushes = [(a.p, a.step, a.steps) for a in run_to(schedule, 16) if isinstance(a, Push)]
+    assert pushes == [(0, 4, 4), (1, 8, 8), (0, 12, 8), (1, 16, 8)]
+    assert schedule.sync_every == 8
+
+
+def test_an_assigned_h_before_start_is_the_one_it_starts_with() -> None:
+    schedule = Schedule(ScheduleConfig(sync_every=1, fragments=2))
+    schedule.assigned(6)
+    schedule.start({0: 0, 1: 0})
+    assert [(a.p, a.step) for a in run_to(schedule, 12) if isinstance(a, Push)] == [
+        (0, 6), (1, 9), (0, 12)]
+
+
+def test_assigning_the_h_in_force_again_cancels_one_waiting() -> None:
+    schedule = started()
+    schedule.assigned(6)
+    schedule.assigned(4)
+    pushes = [(a.p, a.step) for a in run_to(schedule, 8) if isinstance(a, Push)]
+    assert pushes == [(0, 4), (1, 6), (0, 8)]
+
+
+def test_a_bad_assignment_is_refused_and_changes_nothing() -> None:
+    schedule = started(overlap=3)
+    with pytest.raises(ValueError, match=re.escape("at least overlap (τ = 3), got 2")):
+        schedule.assigned(2)
+    assert [(a.p, a.step) for a in run_to(schedule, 6) if isinstance(a, Push)] == [
+        (0, 4), (1, 6)]
+    lockstep = Schedule(ScheduleConfig(sync_every=4, fragments=2, lockstep=True))
+    with pytest.raises(ValueError, match="needs lockstep off"):
+        lockstep.assigned(8)
+    assert lockstep.sync_every == 4
+
+
 def test_stale_answers_are_ignored() -> None:
     schedule = started()
     push = next(a for a in run_to(schedule, 4) if isinstance(a, Push) and a.p == 0)
@@ -214,6 +253,9 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.pushed = [0] * self.P
         self.discarded = [0] * self.P
         self.take: dict[int, int] = {}
+        # The H in force, the step it took effect at (None: from the start), and one
+        # assigned that waits for fragment 0's next due step.
+        self.h, self.cycle, self.pending = self.H, None, None
 
     def start(self) -> None:
         self.schedule = Schedule(ScheduleConfig(self.H, self.P, self.TAU, rule=self.rule))
@@ -225,10 +267,18 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.rule = apply_rule
         self.start()
         self.ref = [_Ref() for _ in range(self.P)]
+        self.h, self.cycle, self.pending = self.H, None, None
+
+    @rule(h=st.integers(TAU, 9))
+    def assign(self, h: int) -> None:
+        self.schedule.assigned(h)
+        self.pending = None if h == self.h else h
 
     def due(self, p: int, k: int) -> bool:
-        t = p * self.H // self.P
-        return k > t and (k - t) % self.H == 0
+        t = p * self.h // self.P
+        if self.cycle is None:  # from the start: never at step t_p itself
+            return k > t and (k - t) % self.h == 0
+        return k >= self.cycle + t and (k - self.cycle - t) % self.h == 0
 
     def expect(self, k: int) -> list[Action]:
         """The actions step k should give, from the reference's rules; `take`
@@ -236,6 +286,8 @@ class ScheduleMachine(RuleBasedStateMachine):
         out: list[Action] = []
         self.take = {}
         boundary = self.rule == ApplyRule.BOUNDARY
+        if self.pending is not None and self.due(0, k):
+            self.h, self.cycle, self.pending = self.pending, k, None
         for p, r in enumerate(self.ref):
             if r.result is not None and k >= r.apply_at and not (boundary and self.due(p, k)):
                 self.ref_apply(p, r, out)
@@ -253,7 +305,7 @@ class ScheduleMachine(RuleBasedStateMachine):
                 self.ref_apply(p, r, out)
             if r.result is None and (r.waiting is None or r.lost):
                 r.waiting, r.own, r.lost = "ack", True, False
-                r.apply_at = k + (self.H if boundary else self.TAU)
+                r.apply_at = k + (self.h if boundary else self.TAU)
                 self.take[p] = len(out) - 1 - (isinstance(out[-1], Apply))
         for p, r in enumerate(self.ref):
             version, commit = r.published
