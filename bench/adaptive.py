@@ -25,10 +25,17 @@ twice its wall-clock, marked `reached: false`).
 
 `auto_k_vs_best_static` = auto's time to target over the best static K's, in the worst
 setting (target ≤ 1.03); `auto_k_best_gain` = over settings, the fastest static K's time
-over auto's (target ≥ 1.10 in at least one). The local-steps keys (`auto_h_*`) are null:
-`sync_every = "auto"` is not built yet.
+over auto's (target ≥ 1.10 in at least one).
 
-Run from the repository root: `python -m bench.adaptive [--quick]`. Progress goes to
+Local steps: on the heterogeneous setting, at the experiment's `min_quorum = "auto"`, every
+learner at `--sync-every H` (default 20) against `--sync-every auto` with
+`policy.h_max = H` (the fastest keeps H, a learner k times slower gets about H/k).
+`auto_h_staleness_ratio` = fixed H's mean staleness of merged contributions over auto's
+(target ≥ 2); `auto_h_loss_ratio` = auto's held-out loss over fixed H's at equal
+wall-clock, the shorter run's end (target ≤ 1.00).
+
+Run from the repository root: `python -m bench.adaptive [--quick] [--parts quorum,local_steps]
+[--set KEY=VALUE ...]` (`--set`: a coordinator setting for every run). Progress goes to
 stderr; the last line of stdout is one JSON object.
 """
 
@@ -79,6 +86,8 @@ class Run:
     wall_s: float = 0.0
     rounds: dict[int, int] = field(default_factory=dict)
     mean_staleness: float = 0.0
+    # With sync_every "auto": each learner's H as last assigned.
+    assigned: dict[str, int] = field(default_factory=dict)
 
     @property
     def final(self) -> float:
@@ -91,6 +100,11 @@ class Run:
             if loss <= target:
                 return at, True
         return 2 * self.wall_s, False
+
+    def loss_at(self, at: float) -> float:
+        """The held-out loss at `at` seconds: the last evaluation by then."""
+        before = [loss for t, loss in self.curve if t <= at]
+        return before[-1] if before else self.curve[0][1]
 
 
 class Followed:
@@ -150,12 +164,17 @@ class Followed:
                 self.curve.append((now - self.started, sum(known) / len(known)))
 
 
-def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -> Run:
+def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace,
+                sync_every: int | str | None = None) -> Run:
+    """One run; `sync_every` None: the learners' default H."""
     with tempfile.TemporaryDirectory(prefix="ftsync-adaptive-") as tmp:
         events = Path(tmp) / "events.jsonl"
+        local_steps = [] if sync_every is None else ["--sync-every", str(sync_every)]
         coordinator = CoordinatorProcess(Path(tmp) / "state", [
             "--min-quorum", str(quorum), "--set", f"policy.grace_max_s={args.grace_max_s}",
             "--set", "policy.max_staleness=32", "--set", "fsync=false",
+            "--set", f"policy.h_max={args.sync_every}", "--set", "policy.h_min=2",
+            *[flag for kv in args.set for flag in ("--set", kv)],
             "--event-log", str(events)]).start()
         followed = Followed(LEARNERS)
         stderr = open(Path(tmp) / "learners.stderr", "w")  # noqa: SIM115 (closed below)
@@ -170,7 +189,7 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
                      "--batch", str(setting.batch), "--steps", str(args.steps * 4),
                      "--step-ms", str(args.step_ms * slowdown),
                      "--progress-every", str(args.eval_every),
-                     "--eval-every", str(args.eval_every)],
+                     "--eval-every", str(args.eval_every), *local_steps],
                     stdout=subprocess.PIPE, stderr=stderr, text=True)
                 followed.follow(i, process)
                 processes.append(process)
@@ -204,13 +223,13 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace) -
             stderr.close()
         said = (Path(tmp) / "learners.stderr").read_text()
         run = Run(setting.name, quorum, list(followed.curve), wall)
-        merged = [json.loads(line) for line in events.read_text().splitlines()
-                  if '"commit"' in line]
-        staleness = [c["staleness"] for e in merged if e.get("kind") == "commit"
-                     for c in e["manifest"]]
+        logged = [json.loads(line) for line in events.read_text().splitlines()]
+        run.assigned = {e["learner"]: e["sync_every"] for e in logged
+                        if e.get("kind") == "sync_every"}
+        merged = [e for e in logged if e.get("kind") == "commit"]
+        staleness = [c["staleness"] for e in merged for c in e["manifest"]]
         for e in merged:
-            if e.get("kind") == "commit":
-                run.rounds[e["quorum"]] = run.rounds.get(e["quorum"], 0) + 1
+            run.rounds[e["quorum"]] = run.rounds.get(e["quorum"], 0) + 1
         run.mean_staleness = sum(staleness) / len(staleness) if staleness else 0.0
         if not run.curve:
             raise RuntimeError(f"{setting.name} K={quorum}: no held-out evaluation came back; "
@@ -225,12 +244,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="emulated device time")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--grace-max-s", type=float, default=0.5)
+    parser.add_argument("--sync-every", type=int, default=20,
+                        help="the fixed H, and policy.h_max of the auto runs")
     parser.add_argument("--only", default="", help="settings to run, comma-separated")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a coordinator setting for every run (repeatable)")
+    parser.add_argument("--parts", default="quorum,local_steps",
+                        help="quorum (static K against auto), local_steps (fixed H against "
+                             "auto on the heterogeneous setting), comma-separated")
     args = parser.parse_args(argv)
     quorums = QUORUMS
     if args.quick:
         args.steps, quorums = 60, (1, "auto")
+    parts = set(args.parts.split(","))
+    if parts - {"quorum", "local_steps"}:
+        parser.error(f"--parts takes quorum and local_steps, not {sorted(parts)}")
     settings = [s for s in SETTINGS if not args.only or s.name in args.only.split(",")]
+    result: dict[str, Any] = {
+        "name": "adaptive", "target": 1.03,
+        "unit": "auto quorum's time to target / best static quorum's (worst setting)",
+        "steps_per_learner": args.steps}
+    if "quorum" in parts:
+        result.update(compare_quorums(settings, quorums, args))
+    if "local_steps" in parts:
+        result.update(compare_local_steps(args))
+    print(json.dumps(result))
+
+
+def compare_quorums(settings: list[Setting], quorums: tuple[int | str, ...],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """Static K against auto in each setting: time to the best static run's loss + 2%."""
     scenarios: dict[str, Any] = {}
     ratios, gains = [], []
     for setting in settings:
@@ -256,19 +299,35 @@ def main(argv: list[str] | None = None) -> None:
             "mean_staleness": {str(k): round(r.mean_staleness, 3) for k, r in runs.items()},
             "auto_rounds_by_quorum": runs["auto"].rounds,
         }
-    result = {
-        "name": "adaptive",
-        "ratio": round(max(ratios), 3),
-        "target": 1.03,
-        "unit": "auto quorum's time to target / best static quorum's (worst setting)",
-        "auto_k_vs_best_static": round(max(ratios), 3),
-        "auto_k_best_gain": round(max(gains), 3),
-        "auto_h_staleness_ratio": None,
-        "auto_h_loss_ratio": None,
-        "steps_per_learner": args.steps,
-        "scenarios": scenarios,
+    return {"ratio": round(max(ratios), 3), "auto_k_vs_best_static": round(max(ratios), 3),
+            "auto_k_best_gain": round(max(gains), 3), "scenarios": scenarios}
+
+
+def compare_local_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """Fixed H against `--sync-every auto` on the heterogeneous setting, at the
+    experiment's automatic quorum: staleness, and held-out loss at equal wall-clock."""
+    setting = SETTINGS[0]
+    runs = {}
+    for sync_every in (args.sync_every, "auto"):
+        log(f"{setting.name}: H={sync_every}")
+        runs[sync_every] = r = run_cluster(setting, "auto", args, sync_every)
+        log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} staleness {r.mean_staleness:.2f} "
+            f"rounds by quorum {r.rounds} assigned {r.assigned}")
+    fixed, auto = runs[args.sync_every], runs["auto"]
+    at = min(fixed.wall_s, auto.wall_s)
+    return {
+        "auto_h_staleness_ratio": round(fixed.mean_staleness / max(auto.mean_staleness, 1e-9),
+                                        3),
+        "auto_h_loss_ratio": round(auto.loss_at(at) / fixed.loss_at(at), 4),
+        "local_steps": {
+            "fixed_h": args.sync_every, "equal_wall_clock_s": round(at, 2),
+            "loss_at_equal_wall_clock": {"fixed": round(fixed.loss_at(at), 4),
+                                         "auto": round(auto.loss_at(at), 4)},
+            "mean_staleness": {"fixed": round(fixed.mean_staleness, 3),
+                               "auto": round(auto.mean_staleness, 3)},
+            "rounds_by_quorum": {"fixed": fixed.rounds, "auto": auto.rounds},
+            "assigned": auto.assigned},
     }
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":
