@@ -283,9 +283,8 @@ def test_every_fault_kind_has_an_inject_and_heal(tmp_path: Path) -> None:
 
 
 def test_learners_take_sync_every_auto_and_refuse_other_words(tmp_path: Path) -> None:
-    path = tmp_path / "exp.toml"
-    path.write_text(BASE + 'sync_every = "auto"\n')
-    assert load_experiment(path).learners.sync_every == "auto"
+    experiment = load_experiment_text(tmp_path, BASE + 'sync_every = "auto"\n')
+    assert experiment.learners.sync_every == "auto"
     assert "learners.sync_every must be int or one of ['auto']" in error_of(
         tmp_path, BASE + 'sync_every = "banana"\n')
     assert "learners.sync_every must be at least 1" in error_of(tmp_path,
