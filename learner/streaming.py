@@ -50,6 +50,7 @@ from learner.schedule import (
     ScheduleConfig,
 )
 from protos import telemetry
+from protos.settings import check
 
 # Longest the training thread waits on the loop without looking at pending signals.
 _SIGNAL_CHECK_S = 0.2
@@ -114,12 +115,13 @@ class SyncSettings:
     rule: ApplyRule = ApplyRule.OVERWRITE
 
     def __post_init__(self) -> None:
-        if isinstance(self.sync_every, str) and self.sync_every != "auto":
-            raise ValueError(f"sync_every must be a number of steps or 'auto', got "
-                             f"{self.sync_every!r}")
-        if self.auto and self.lockstep:
-            raise ValueError("sync_every 'auto' needs lockstep off: lock-step keeps every "
-                             "learner in phase by one H for all")
+        check(self, [
+            (not isinstance(self.sync_every, str) or self.auto, "sync_every",
+             "must be a number of steps or 'auto'"),
+            (not (self.auto and self.lockstep), "sync_every",
+             "'auto' needs lockstep off: lock-step keeps every learner in phase by one H "
+             "for all"),
+        ])
         self.schedule(1)  # the schedule's own checks, with their messages
 
     @property
