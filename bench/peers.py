@@ -309,12 +309,12 @@ def _ftsync_useful(out: Path, restarted_at: float | None) -> tuple[dict[int, flo
     for cid in merged:
         invoke = invoked.get(cid)
         if invoke is not None:
-            useful[int(cid.learner.rsplit("-", 1)[1])] += invoke.number("c_steps") / FRAGMENTS
+            useful[int(cid.learner_id.rsplit("-", 1)[1])] += invoke.number("c_steps") / FRAGMENTS
     first = None
     if restarted_at is not None:
         victim = f"learner-{LEARNERS - 1}"
         first = min((e.t for e in events if e.kind == "commit" and e.t > restarted_at
-                     and any(c.learner == victim and invoked.get(c) is not None
+                     and any(c.learner_id == victim and invoked.get(c) is not None
                              and invoked[c].t > restarted_at for c in e.manifest())),
                     default=None)
     return useful, first

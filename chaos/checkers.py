@@ -25,13 +25,13 @@ from chaos import metrics
 from chaos.history import (
     COORDINATOR,
     HARNESS,
-    ContributionId,
     Event,
     MalformedEvent,
     adversary_ids,
     outages,
     versions_of,
 )
+from protos.contribution import ContributionId
 
 # At most this many offending events are named per check (the count is in details).
 MAX_NAMED = 20
@@ -151,8 +151,8 @@ def _lost_with_learner(cid: ContributionId, ack: Event, resume: Event, kills: li
         if kill.index <= ack.index:
             continue
         between = [e for e in events if resume.index < e.index < kill.index]
-        rejoined = any(e.kind == "join" and e.source == cid.learner for e in between)
-        repushing = any(e.kind == "push_invoke" and e.source == cid.learner
+        rejoined = any(e.kind == "join" and e.source == cid.learner_id for e in between)
+        repushing = any(e.kind == "push_invoke" and e.source == cid.learner_id
                         and e.get("fragment") == cid.fragment and e.get("seq") == cid.seq
                         for e in between)
         if not rejoined or repushing:
@@ -204,7 +204,7 @@ def acknowledged_settled(events: Sequence[Event]) -> CheckResult:
     drop_reasons: Counter[str] = Counter()
     violations = []
     for cid, cid_acks in acks.items():
-        if cid.learner in adversaries:
+        if cid.learner_id in adversaries:
             outcomes["adversary"] += 1  # an attacker owes no one a report
             continue
         ack = cid_acks[-1]
@@ -245,7 +245,7 @@ def acknowledged_settled(events: Sequence[Event]) -> CheckResult:
             elif not after:
                 outcomes["pending_at_end"] += 1
             elif resume is not None and _lost_with_learner(
-                    cid, ack, resume, kills.get(cid.learner, []), events):
+                    cid, ack, resume, kills.get(cid.learner_id, []), events):
                 outcomes["lost_with_killed_learner"] += 1
             else:
                 assert resume is not None

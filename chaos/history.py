@@ -24,7 +24,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+from protos.contribution import ContributionId
 
 COORDINATOR = "coordinator"
 HARNESS = "harness"
@@ -42,17 +44,6 @@ class MalformedEvent(ValueError):
     def __init__(self, message: str, index: int | None = None) -> None:
         super().__init__(message)
         self.index = index
-
-
-class ContributionId(NamedTuple):
-    """What exactly-once is about: learner id, fragment, learner-wide seq."""
-
-    learner: str
-    fragment: int
-    seq: int
-
-    def __str__(self) -> str:
-        return f"{self.learner}/{self.fragment}/{self.seq}"
 
 
 @dataclass(frozen=True, slots=True)

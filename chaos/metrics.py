@@ -50,13 +50,13 @@ from itertools import pairwise
 from chaos.history import (
     COORDINATOR,
     HARNESS,
-    ContributionId,
     Event,
     fragment_count,
     learner_ids,
     run_bounds,
     stale_exits,
 )
+from protos.contribution import ContributionId
 
 DEFAULT_WINDOW_S = 2.0
 
@@ -208,14 +208,14 @@ def goodput(events: Sequence[Event]) -> Goodput:
     learners = set(learner_ids(events))
     missing = []
     for cid in sorted(merged):
-        if cid.learner not in learners:
+        if cid.learner_id not in learners:
             continue  # an adversary's: no learner time behind it
         invoke = invoked.get(cid)
         if invoke is None or not invoke.has("work_s"):
             missing.append(cid)
             continue
-        useful[cid.learner] = useful.get(cid.learner, 0.0) + invoke.number("work_s") / p
-        counts[cid.learner] = counts.get(cid.learner, 0) + 1
+        useful[cid.learner_id] = useful.get(cid.learner_id, 0.0) + invoke.number("work_s") / p
+        counts[cid.learner_id] = counts.get(cid.learner_id, 0) + 1
     unmerged = sum(e.number("work_s") for cid, e in invoked.items()
                  if cid not in merged and e.has("work_s"))
     unmerged += sum(e.number("work_s") for e in events

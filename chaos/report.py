@@ -191,7 +191,7 @@ def _learner_table(events: Sequence[Event]) -> dict[str, dict[str, Any]]:
             acked[e.learner].add((e.integer("fragment"), e.integer("seq")))
         elif e.source == COORDINATOR and e.kind == "commit":
             for cid in e.manifest():
-                merged[cid.learner] += 1
+                merged[cid.learner_id] += 1
         elif e.source == HARNESS and e.kind == "process_start":
             starts[str(e.get("name"))] += 1
         elif e.source in (COORDINATOR, HARNESS):

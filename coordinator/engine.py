@@ -37,11 +37,12 @@ from coordinator.errors import Cut, NotLeader, Reason, Rejected
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite
 from coordinator.metrics import Metrics
-from coordinator.policy import ContributionId, Offer, Policy, RoundClose, check_seq
+from coordinator.policy import Offer, Policy, RoundClose, check_seq
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
 from protos.bulk import BulkCut, BulkServer, Grant
 from protos.codec import Codec, CodecError, codec_for
+from protos.contribution import ContributionId
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamEnded, StreamError
 
@@ -482,7 +483,7 @@ class Engine:
             codec = codec_for(header.codec)
         except CodecError as exc:
             raise Rejected(Reason.BAD_ENCODING, str(exc)) from exc
-        offer = Offer(ContributionId(header.learner_id, p, header.seq, header.base_version),
+        offer = Offer(ContributionId(header.learner_id, p, header.seq), header.base_version,
                       c_tokens=header.c_tokens, c_steps=header.c_steps,
                       local_step=header.local_step)
         # Decoding applies the weight the header earns now, so folding is one pass.
@@ -740,7 +741,7 @@ class Engine:
             started = self.clock()
             close = policy.close(fragment, started)
             manifest = [{"learner": c.id.learner_id, "seq": c.id.seq,
-                         "base_version": c.id.base_version, "weight": c.weight,
+                         "base_version": c.base_version, "weight": c.weight,
                          "staleness": c.staleness,
                          **({} if c.replaced_by is None else {"replaced_by": c.replaced_by})}
                         for c in close.manifest]

@@ -50,6 +50,7 @@ from typing import Literal
 
 from coordinator.errors import Reason, Rejected
 from coordinator.membership import HeartbeatTable, Membership
+from protos.contribution import ContributionId
 from protos.metadata import MERGED_SEQ
 from protos.settings import check
 
@@ -117,20 +118,12 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
-class ContributionId:
-    """What makes a contribution unique; manifests list these."""
-
-    learner_id: str
-    fragment: int
-    seq: int
-    base_version: int
-
-
-@dataclass(frozen=True)
 class Offer:
-    """A contribution's header, as it arrives before its bytes."""
+    """A contribution's header, as it arrives before its bytes: who, which fragment
+    and seq (`id`), and the version its outer gradient was measured from."""
 
     id: ContributionId
+    base_version: int
     c_tokens: int
     c_steps: int
     local_step: int
@@ -156,6 +149,7 @@ class MergedContribution:
     carries the progress since it) and its weight, now 0, counts there."""
 
     id: ContributionId
+    base_version: int
     weight: float
     staleness: int
     replaced_by: int | None = None
@@ -332,7 +326,7 @@ class _Round:
         current life (seq from `first_seq` on), that no later push has replaced, if
         the round holds one."""
         for i, c in enumerate(self.contributions):
-            if (c.id.learner_id == learner_id and c.id.base_version == base_version
+            if (c.id.learner_id == learner_id and c.base_version == base_version
                     and c.id.seq >= first_seq and c.replaced_by is None):
                 return i
         return None
@@ -517,25 +511,25 @@ class Policy:
                            f"c_tokens²/c_steps is over 2^64 (c_tokens {offer.c_tokens}, "
                            f"c_steps {offer.c_steps}): c_tokens counts the tokens of the "
                            f"steps this push sums up, c_steps those steps")
-        if cid.base_version > frag.version:
+        if offer.base_version > frag.version:
             raise Rejected(Reason.FUTURE_VERSION,
-                           f"base version {cid.base_version} of fragment {cid.fragment} is newer "
+                           f"base version {offer.base_version} of fragment {cid.fragment} is newer "
                            f"than its current version {frag.version}")
-        if cid.base_version < 0:
-            raise Rejected(Reason.MALFORMED, f"base version {cid.base_version} is negative")
+        if offer.base_version < 0:
+            raise Rejected(Reason.MALFORMED, f"base version {offer.base_version} is negative")
         check_seq(cid.seq)
         self._check_fresh(frag, cid)
-        staleness = frag.version - cid.base_version
+        staleness = frag.version - offer.base_version
         if staleness > self.config.max_staleness:
             raise Rejected(Reason.STALE,
-                           f"base version {cid.base_version} is {staleness} versions behind "
+                           f"base version {offer.base_version} is {staleness} versions behind "
                            f"{frag.version} (max_staleness {self.config.max_staleness}); "
                            f"pull fragment {cid.fragment} and contribute against it")
         if self.draining and not frag.round.contributions:
             raise Rejected(Reason.DRAINING,
                            f"this coordinator is draining: it opens no new round (fragment "
                            f"{cid.fragment}); push to the next leader, or again once it is back")
-        standing = frag.round.standing(cid.learner_id, cid.base_version,
+        standing = frag.round.standing(cid.learner_id, offer.base_version,
                                        self._member(cid.learner_id).first_seq)
         if standing is not None:
             # The newer push carries the progress since the older one, which the round
@@ -557,7 +551,7 @@ class Policy:
             raise ValueError("admission is for a round that has closed; admit again")
         self._check_fresh(frag, offer.id)
         learner = self._member(offer.id.learner_id)
-        standing = frag.round.standing(offer.id.learner_id, offer.id.base_version,
+        standing = frag.round.standing(offer.id.learner_id, offer.base_version,
                                        learner.first_seq)
         replaces = None if standing is None else frag.round.contributions[standing].id
         if admission.replaces != replaces:
@@ -575,7 +569,8 @@ class Policy:
             rnd.contributions[standing] = replace(rnd.contributions[standing], weight=0.0,
                                                   replaced_by=offer.id.seq)
         rnd.contributions.append(MergedContribution(
-            id=offer.id, weight=admission.weight, staleness=admission.staleness))
+            id=offer.id, base_version=offer.base_version, weight=admission.weight,
+            staleness=admission.staleness))
         if norm_sq is not None:
             rnd.norms_sq[(offer.id.learner_id, offer.id.seq)] = norm_sq
         previous = learner.pushed_at.get(offer.id.fragment)

@@ -53,8 +53,9 @@ from chaos.sim.chips import Chips
 from chaos.sim.results import Result
 from chaos.sim.scenario import Scenario
 from coordinator.errors import Reason, Rejected
-from coordinator.policy import Admission, ContributionId, Offer, Policy, RoundClose
+from coordinator.policy import Admission, Offer, Policy, RoundClose
 from learner.schedule import Apply, Pull, Push, Schedule, ScheduleConfig
+from protos.contribution import ContributionId
 
 # A kill of the replayed timeline: (time, learner index).
 Kill = tuple[float, int]
@@ -400,7 +401,7 @@ class FtsyncRun:
         if push.steps > 0 and work > 0:
             seq = g.next_seq
             g.next_seq += 1
-            offer = Offer(ContributionId(g.lid, push.p, seq, push.base),
+            offer = Offer(ContributionId(g.lid, push.p, seq), push.base,
                           c_tokens=push.tokens, c_steps=push.steps, local_step=push.step)
             self.contributions += 1
             try:  # the header: refused before any bytes move

@@ -19,7 +19,6 @@ from chaos.checkers import CheckConfig, CheckResult, run_all
 from chaos.history import (
     DOWN,
     PAUSED,
-    ContributionId,
     Event,
     events_from_records,
     fragment_count,
@@ -30,6 +29,7 @@ from chaos.history import (
     stale_exits,
     write_events,
 )
+from protos.contribution import ContributionId
 
 # -- a hand-made log ----------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ counting quorum and early closes from whatever membership it is given."""
 from __future__ import annotations
 
 from coordinator.membership import HeartbeatTable, Membership
-from coordinator.policy import ContributionId, Offer, Policy, PolicyConfig
+from coordinator.policy import Offer, Policy, PolicyConfig
+from protos.contribution import ContributionId
 
 
 def test_heartbeat_table_is_live_within_the_timeout() -> None:
@@ -41,7 +42,7 @@ def test_policy_takes_liveness_from_its_membership() -> None:
         policy.join(learner, 0.0)
     membership.live = {"a", "b"}
     assert policy.live_learners(0.0) == {"a", "b"}
-    offer = Offer(ContributionId("a", 0, 1, 0), c_tokens=10, c_steps=1, local_step=1)
+    offer = Offer(ContributionId("a", 0, 1), 0, c_tokens=10, c_steps=1, local_step=1)
     policy.accept(policy.admit(offer, 1.0), 1.0)
     # b is live and silent: the round waits for it (grace of 60 s)...
     assert policy.due(2.0) == []

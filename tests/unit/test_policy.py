@@ -32,13 +32,13 @@ from coordinator.policy import (
     MAX_SEQ,
     SEQ_BLOCK,
     Admission,
-    ContributionId,
     MergedContribution,
     Offer,
     Policy,
     PolicyConfig,
     RoundClose,
 )
+from protos.contribution import ContributionId
 from protos.metadata import MERGED_SEQ
 
 # -- helpers -----------------------------------------------------------------
@@ -46,9 +46,8 @@ from protos.metadata import MERGED_SEQ
 
 def make_offer(learner: str, fragment: int = 0, seq: int = 1, base: int = 0,
                tokens: int = 100, steps: int = 10, local_step: int = 0) -> Offer:
-    return Offer(id=ContributionId(learner_id=learner, fragment=fragment, seq=seq,
-                                   base_version=base),
-                 c_tokens=tokens, c_steps=steps, local_step=local_step)
+    return Offer(id=ContributionId(learner_id=learner, fragment=fragment, seq=seq),
+                 base_version=base, c_tokens=tokens, c_steps=steps, local_step=local_step)
 
 
 def contribute(policy: Policy, now: float, learner: str, **kw: Any) -> Admission:
@@ -357,7 +356,7 @@ def test_admission_carries_weight_staleness_and_target_version() -> None:
     policy.accept(admission, 0.0)
     closed = policy.close(0, 100.0)
     assert closed.manifest == (MergedContribution(
-        id=admission.offer.id, weight=admission.weight, staleness=3),)
+        id=admission.offer.id, base_version=2, weight=admission.weight, staleness=3),)
 
 
 def test_staleness_exactly_max_is_admitted() -> None:
@@ -943,12 +942,13 @@ class PolicyMachine(RuleBasedStateMachine):
                   else self.policy.round_quorum(p) or math.inf)
         return len({c.id.learner_id for c in self.rounds[p]}) >= quorum
 
-    def standing(self, cid: ContributionId) -> int | None:
-        """The model's entry the learner has in the open round against `cid`'s base."""
+    def standing(self, offer: Offer) -> int | None:
+        """The model's entry the learner has in the open round against `offer`'s base."""
+        cid = offer.id
         first_seq = self.members[cid.learner_id].first_seq
         return next((i for i, c in enumerate(self.rounds[cid.fragment])
                      if c.id.learner_id == cid.learner_id and c.id.seq >= first_seq
-                     and c.id.base_version == cid.base_version and c.replaced_by is None),
+                     and c.base_version == offer.base_version and c.replaced_by is None),
                     None)
 
     def expected_reasons(self, offer: Offer) -> set[Reason]:
@@ -963,15 +963,15 @@ class PolicyMachine(RuleBasedStateMachine):
             reasons.add(Reason.NOT_INITIALIZED)
         if offer.c_tokens <= 0 or offer.c_steps <= 0:
             reasons.add(Reason.BAD_COUNTS)
-        if cid.base_version > version:
+        if offer.base_version > version:
             reasons.add(Reason.FUTURE_VERSION)
-        if cid.base_version < 0:
+        if offer.base_version < 0:
             reasons.add(Reason.MALFORMED)
         in_round = any(c.id.learner_id == cid.learner_id and c.id.seq == cid.seq
                        for c in self.rounds[cid.fragment])
         if in_round or cid.seq <= self.watermarks[cid.fragment].get(cid.learner_id, 0):
             reasons.add(Reason.REPLAYED)
-        if version - cid.base_version > self.config.max_staleness:
+        if version - offer.base_version > self.config.max_staleness:
             reasons.add(Reason.STALE)
         return reasons
 
@@ -993,7 +993,7 @@ class PolicyMachine(RuleBasedStateMachine):
         # place, in the same life.
         def life(c: MergedContribution) -> int:
             return bisect.bisect_right(self.lives[c.id.learner_id], c.id.seq)
-        standing = [(c.id.learner_id, c.id.base_version, life(c)) for c in closed.manifest
+        standing = [(c.id.learner_id, c.base_version, life(c)) for c in closed.manifest
                     if c.replaced_by is None]
         assert len(standing) == len(set(standing))
         for i, c in enumerate(closed.manifest):
@@ -1001,7 +1001,7 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert c.weight == 0.0
                 assert any(later.id.seq == c.replaced_by
                            and later.id.learner_id == c.id.learner_id
-                           and later.id.base_version == c.id.base_version
+                           and later.base_version == c.base_version
                            and life(later) == life(c)
                            for later in closed.manifest[i + 1:])
         learners = {c.id.learner_id for c in closed.manifest}
@@ -1095,10 +1095,10 @@ class PolicyMachine(RuleBasedStateMachine):
         assert not expected, f"admitted {offer} despite {expected}"
         assert snapshot(self.policy, self.now) == before  # admit changes nothing
         cid = offer.id
-        staleness = self.versions[cid.fragment] - cid.base_version
+        staleness = self.versions[cid.fragment] - offer.base_version
         assert admission.staleness == staleness
         assert admission.target_version == self.versions[cid.fragment] + 1
-        standing = self.standing(cid)
+        standing = self.standing(offer)
         if standing is None:
             assert admission.replaces is None
             assert admission.weight == pytest.approx(
@@ -1126,7 +1126,8 @@ class PolicyMachine(RuleBasedStateMachine):
         member.local_step = max(member.local_step, offer.local_step)
         self.seen[cid.learner_id] = max(self.seen.get(cid.learner_id, 0), cid.seq)
         self.rounds[cid.fragment].append(MergedContribution(
-            id=cid, weight=admission.weight, staleness=staleness))
+            id=cid, base_version=offer.base_version, weight=admission.weight,
+            staleness=staleness))
         self.accepted += 1
         opened_at, deadline = self.policy.round_timing(cid.fragment)
         assert opened_at is not None and opened_at <= self.now
