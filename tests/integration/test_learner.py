@@ -261,15 +261,19 @@ def test_learner_keeps_stepping_while_the_coordinator_is_down_then_catches_up(
         # 20 pushes fell due; the send queue holds 8 (max_backlog), and the oldest
         # beyond them are dropped, counted where the summary reads them.
         assert learner.progress()["dropped"].get("backlog_full", 0) > 0, learner.progress()
-        versions_during_outage = learner.applied_versions
         daemon.start()
-        for _ in range(200):
+        # What the coordinator committed before it died, some of which the learner may
+        # not have applied yet: only versions past these hold work pushed since.
+        restored = {f.fragment: f.version for f in daemon.status().fragments}
+        deadline = time.monotonic() + 60  # the learner's reconnect backs off meanwhile
+        while time.monotonic() < deadline:
             train_step(model, opt)
             learner.step(tokens=32)
             time.sleep(0.02)
-            if all(v > versions_during_outage[p] for p, v in learner.applied_versions.items()):
+            if all(v > restored[p] for p, v in learner.applied_versions.items()):
                 break
-        assert all(v > versions_during_outage[p] for p, v in learner.applied_versions.items())
+        assert all(v > restored[p] for p, v in learner.applied_versions.items()), \
+            (learner.applied_versions, restored)
         status = daemon.status()
         assert [learner_status.learner_id for learner_status in status.learners] == ["steady"]
         assert status.learners[0].contributions > 0
