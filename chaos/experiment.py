@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 
 from chaos.proxy import LinkSpec
 from coordinator.config import ConfigError, CoordinatorConfig, load
+from protos.settings import check
 
 FaultKind = Literal[
     "kill_learner", "pause_learner", "straggle", "kill_coordinator", "partition_learner",
@@ -60,12 +61,12 @@ class CoordinatorSpec:
     etcd_proxies: bool = False
 
     def __post_init__(self) -> None:
-        if self.min_quorum != "auto" and not (isinstance(self.min_quorum, int)
-                                              and self.min_quorum >= 1):
-            raise ValueError(f"coordinator.min_quorum must be at least 1 or \"auto\" "
-                             f"(got {self.min_quorum!r})")
-        if self.replicas < 1:
-            raise ValueError(f"coordinator.replicas must be at least 1 (got {self.replicas})")
+        check(self, [
+            (self.min_quorum == "auto" or (isinstance(self.min_quorum, int)
+                                           and self.min_quorum >= 1),
+             "min_quorum", "must be at least 1 or \"auto\""),
+            (self.replicas >= 1, "replicas", "must be at least 1"),
+        ], "coordinator.")
         # Checked as the coordinator will read them, before anything starts.
         try:
             load(CoordinatorConfig, None, self.overrides())
@@ -94,8 +95,7 @@ class EtcdSpec:
     members: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.members <= 7:
-            raise ValueError(f"etcd.members must be 0..7 (got {self.members})")
+        check(self, [(0 <= self.members <= 7, "members", "must be 0..7")], "etcd.")
 
     def ids(self) -> list[str]:
         return [f"m{i}" for i in range(self.members)]
@@ -126,14 +126,13 @@ class LearnerSpec:
     spares: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("count", "steps", "sync_every", "fragments", "overlap", "threads"):
-            if key == "sync_every" and self.sync_every == "auto":
-                continue
-            if getattr(self, key) < 1:
-                raise ValueError(f"learners.{key} must be at least 1 (got {getattr(self, key)})")
-        if not 0 <= self.spares <= self.count:
-            raise ValueError(f"learners.spares must be in 0..count ({self.count}) "
-                             f"(got {self.spares})")
+        check(self, [
+            *((getattr(self, key) >= 1, key, "must be at least 1")
+              for key in ("count", "steps", "fragments", "overlap", "threads")),
+            (self.sync_every == "auto" or self.sync_every >= 1, "sync_every",
+             "must be at least 1 or \"auto\""),
+            (0 <= self.spares <= self.count, "spares", f"must be in 0..count ({self.count})"),
+        ], "learners.")
 
     def ids(self) -> list[str]:
         return [f"learner-{i}" for i in range(self.count)]
@@ -180,20 +179,21 @@ class FaultSpec:
         value = getattr(self, when[0])
         if not math.isfinite(value) or value < 0 or (when[0] != "at_s" and value <= 0):
             raise ValueError(f"{when[0]} must be positive and finite (got {value})")
-        if not 0 <= self.duration_s < math.inf:
-            raise ValueError(f"duration_s must be >= 0 and finite (got {self.duration_s})")
-        if self.count < 0:
-            raise ValueError(f"count must be >= 0 (got {self.count}; 0: as often as the "
-                             f"run allows)")
+        check(self, [
+            (0 <= self.duration_s < math.inf, "duration_s", "must be >= 0 and finite"),
+            (self.count >= 0, "count", "must be >= 0 (0: as often as the run allows)"),
+            (0 < self.drain_timeout_s < math.inf, "drain_timeout_s",
+             "must be positive and finite"),
+            (0 < self.duty < 1, "duty", "must be in (0, 1)"),
+            (self.latency_ms >= 0, "latency_ms", "must be >= 0"),
+            (self.bandwidth_bytes_s > 0, "bandwidth_bytes_s", "must be > 0"),
+        ])
         if self.kind == "kill_coordinator" and self.target not in ("coordinator", "random"):
             raise ValueError(f"target of kill_coordinator must be 'coordinator' "
                              f"(got {self.target!r})")
         if self.kind == "drain_replica" and not DRAIN_TARGETS.fullmatch(self.target):
             raise ValueError(f"target of drain_replica must be 'coordinator', 'leader', "
                              f"'standby' or a replica (r0, r1, ...) (got {self.target!r})")
-        if not 0 < self.drain_timeout_s < math.inf:
-            raise ValueError(f"drain_timeout_s must be positive and finite "
-                             f"(got {self.drain_timeout_s})")
         if self.kind in LEADER_FAULTS and self.target not in ("leader", "random"):
             raise ValueError(f"target of {self.kind} is always the leader "
                              f"(got {self.target!r}; leave it out or write 'leader')")
@@ -203,8 +203,6 @@ class FaultSpec:
                              f"(kind is {self.kind!r})")
         if self.kind in LEARNER_FAULTS and self.target == "coordinator":
             raise ValueError(f"target of {self.kind} must be a learner id or 'random'")
-        if not 0 < self.duty < 1:
-            raise ValueError(f"duty must be in (0, 1) (got {self.duty})")
         unknown = sorted(set(self.adversary) - set(ADVERSARY_KINDS))
         if unknown:
             raise ValueError(f"adversary kinds {unknown} unknown; valid: {list(ADVERSARY_KINDS)}")
@@ -212,8 +210,6 @@ class FaultSpec:
             self._check_partition()
         elif self.cut_from:
             raise ValueError(f"cut_from applies to partition only (kind is {self.kind!r})")
-        if self.latency_ms < 0 or self.bandwidth_bytes_s <= 0:
-            raise ValueError("latency_ms must be >= 0 and bandwidth_bytes_s > 0")
 
     def _check_partition(self) -> None:
         if not PARTITION_NAME.fullmatch(self.target):

@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from protos.settings import check
+
 
 class ApplyRule(enum.Enum):
     """What applying a merged version does with the steps trained since the push.
@@ -182,22 +184,18 @@ class ScheduleConfig:
     rule: ApplyRule = ApplyRule.OVERWRITE
 
     def __post_init__(self) -> None:
-        problems = [
-            ("sync_every", self.sync_every >= 1, f"(H) must be >= 1, got {self.sync_every}"),
-            ("fragments", self.fragments >= 1, f"must be >= 1, got {self.fragments}"),
-            ("overlap", self.overlap >= 1, f"(τ) must be >= 1, got {self.overlap}"),
+        check(self, [
+            (self.sync_every >= 1, "sync_every", "(H) must be >= 1"),
+            (self.fragments >= 1, "fragments", "must be >= 1"),
+            (self.overlap >= 1, "overlap", "(τ) must be >= 1"),
             # The fragment would come due again before its merge is applied.
-            ("overlap", self.overlap <= self.sync_every,
-             f"(τ) must be at most sync_every (H): got τ = {self.overlap}, "
-             f"H = {self.sync_every}"),
-            ("alpha", 0.0 <= self.alpha < 1.0, f"must be in [0, 1), got {self.alpha}"),
-            ("rule", self.alpha == 0.0 or self.rule == ApplyRule.OVERWRITE,
-             f"{self.rule.value} applies the merged values whole: alpha must be 0, "
-             f"got {self.alpha}"),
-        ]
-        for key, ok, problem in problems:
-            if not ok:
-                raise ValueError(f"{key} {problem}")
+            (self.overlap <= self.sync_every, "overlap",
+             f"(τ) must be at most sync_every (H = {self.sync_every})"),
+            (0.0 <= self.alpha < 1.0, "alpha", "must be in [0, 1)"),
+            (self.alpha == 0.0 or self.rule == ApplyRule.OVERWRITE, "alpha",
+             f"must be 0 with apply rule {self.rule.value}: it applies the merged values "
+             f"whole"),
+        ])
 
 
 class _Fragment:
