@@ -145,11 +145,6 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     # Pushes and pulls move their bytes here; TLS with the gRPC side's certificates.
     bulk = BulkServer(Tickets(BULK_TICKET_S), tls.server_context(material) if material else None,
                       bulk_refused, idle_s=config.limits.push_idle_s)
-    try:
-        engine = Engine(config, bulk=bulk)
-    except OSError as exc:  # the state directory, the event log, the metrics port
-        raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
-    await engine.start()
     server = grpc.aio.server(options=[
         *MESSAGE_SIZE_OPTIONS,
         # Learners ping every 10 s to notice cut connections; let them.
@@ -165,9 +160,16 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     except RuntimeError:  # how grpcio reports a failed bind
         port = 0
     if port == 0:
-        await engine.stop()
         raise SystemExit(f"ftsync-coordinator: cannot listen on {config.listen}: the address "
                          f"is in use or not on this machine")
+    # Built once the port is known: a replica's leadership advertises it.
+    try:
+        replica = (Replica(config, f"{host}:{port}", material, bulk=bulk)
+                   if config.ha.enabled else None)
+        engine = replica.engine if replica is not None else Engine(config, bulk=bulk)
+    except OSError as exc:  # the state directory, the event log, the metrics port
+        raise SystemExit(f"ftsync-coordinator: cannot start: {exc}") from None
+    await engine.start()
     try:
         await bulk.start(host.strip("[]"), config.bulk_port)
     except OSError as exc:
@@ -175,7 +177,6 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         which = f"bulk_port {config.bulk_port}" if config.bulk_port else "a bulk port"
         raise SystemExit(f"ftsync-coordinator: cannot open {which} on {host}: "
                          f"{exc}") from None
-    replica = Replica(engine, config, f"{host}:{port}", material) if config.ha.enabled else None
     drainer = Drainer(engine, replica)
     health = Health(engine)
     pb_grpc.add_SynchronizerServicer_to_server(SynchronizerService(engine), server)

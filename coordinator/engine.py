@@ -7,13 +7,15 @@ everything in metrics and the event log, and closes rounds when the policy
 says they are due. Every refusal is a `Rejected` raised before any state
 changes.
 
-Embedded, the engine always leads. As one replica of a highly available
-synchronizer (`coordinator.ha` drives it) it is a leader or a standby: a
-standby refuses learners with `NotLeader` naming the leader and writes the
+Its leadership (`coordinator.leadership`) comes in its constructor. With
+`AlwaysLeader` (embedded) the engine always leads. As one replica of a highly
+available synchronizer (`coordinator.ha.Replica` is its leadership and drives
+it) it is a leader or a standby: a standby refuses learners with `NotLeader`
+naming the leader the election last saw (`leader_seen`) and writes the
 versions the leader replicates to it; `promote` makes it serve from its
 newest replicated state, `demote` drops everything it held as leader. A
-leader publishes a version only after the `replicate` hook returned and
-while `lease_valid()` still holds, and stamps every commit with its epoch.
+leader publishes a version only after the leadership's `replicate` returned
+and while it still `holds()`, and stamps every commit with its epoch.
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ import numpy as np
 from coordinator.config import CoordinatorConfig
 from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError
 from coordinator.errors import Cut, NotLeader, Reason, Rejected
+from coordinator.leadership import AlwaysLeader, Leadership
 from coordinator.membership import Membership
 from coordinator.merge import first_non_finite
 from coordinator.metrics import Metrics
-from coordinator.policy import Offer, Policy, RoundClose, check_seq
+from coordinator.policy import Offer, Policy, RoundClose
 from coordinator.store import FragmentStore, Guard, Published
 from protos import ftsync_pb2 as pb
 from protos.bulk import BulkCut, BulkServer, Grant
 from protos.codec import Codec, CodecError, codec_for
 from protos.contribution import ContributionId
+from protos.discovery import LeaderRecord
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamEnded, StreamError
 
@@ -68,12 +72,12 @@ Role = Literal["leader", "standby"]
 
 @dataclass
 class LearnerStats:
+    """What Status reports of a learner that neither the policy nor the metrics keep."""
+
     host: str = ""
     contributions: int = 0
     rejections: int = 0
-    bytes_in: int = 0
     backlog: int = 0
-    local_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,15 @@ class Drained:
 class Engine:
     """Everything the daemon does, minus gRPC."""
 
-    def __init__(self, config: CoordinatorConfig,
+    def __init__(self, config: CoordinatorConfig, leadership: Leadership | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  membership: Membership | None = None,
                  bulk: BulkServer | None = None) -> None:
+        """`leadership` (default `AlwaysLeader`: embedded) says whether and how this
+        replica may lead; `membership` (default: the policy's heartbeat table) who is
+        live."""
         self.config = config
+        self.leadership = leadership or AlwaysLeader()
         # The bulk port pushes and pulls asked with `bulk` move their bytes on; None:
         # every transfer goes as gRPC chunks.
         self.bulk = bulk
@@ -141,17 +149,12 @@ class Engine:
         self.failure = ""
         # Liveness of learners; None: the policy's own heartbeat table.
         self.membership = membership
-        # High availability (set up by coordinator.ha); embedded, always the leader.
-        self.role: Role = "standby" if config.ha.enabled else "leader"
+        # An elected replica starts as a standby; embedded, it always leads.
+        self.role: Role = "standby" if self.leadership.elected else "leader"
         self.epoch = 0  # the epoch this replica leads in (0 embedded)
         self.known_epoch = 0  # the newest epoch this replica has heard of
-        self.replica_id = ""
-        self.address = ""
+        # Where learners are sent: this replica's own address while it leads.
         self.leader_address = ""
-        self.lease_valid: Callable[[], bool] = lambda: True
-        self.replicate: Guard | None = None
-        self.on_demoted: Callable[[str], None] | None = None
-        self.on_run_created: Callable[[RunRecord], None] | None = None
         # Standby: newest replicated (sender epoch, version) per fragment.
         self.replicated: dict[int, tuple[int, int]] = {}
         # Set by `drain`: this replica takes no new rounds and never leads again, unless
@@ -186,15 +189,23 @@ class Engine:
     def serving(self) -> bool:
         """Whether this replica can commit: it leads (so it has resumed its run's
         state), its lease holds, and it is neither draining nor stopped by a failure."""
-        return (self.role == "leader" and self.lease_valid() and not self.draining
+        return (self.role == "leader" and self.leadership.holds() and not self.draining
                 and not self.failed.is_set())
 
     def require_leader(self) -> None:
         """Raise `NotLeader` unless this replica leads and its lease still holds."""
         if self.role != "leader":
             raise NotLeader(self.leader_address, self.known_epoch)
-        if not self.lease_valid():
+        if not self.leadership.holds():
             raise NotLeader("", self.epoch)
+
+    def leader_seen(self, leader: LeaderRecord | None) -> None:
+        """The election names the leader (None: none holds the key now): a standby
+        sends learners there, and every replica learns the newest epoch."""
+        if leader is not None:
+            self.known_epoch = max(self.known_epoch, leader.epoch)
+        if self.role != "leader":
+            self.leader_address = leader.address if leader is not None else ""
 
     async def promote(self, epoch: int, run: RunRecord | None) -> None:
         """Lead from the newest state this replica holds (its state directory, or
@@ -210,8 +221,8 @@ class Engine:
             # loop, whose lease renewals must go on.
             versions = await asyncio.to_thread(self._adopt, run)
         self.role, self.epoch = "leader", epoch
-        self.leader_address = self.address
-        self.events.emit("elected", replica=self.replica_id, epoch=epoch,
+        self.leader_address = self.leadership.address
+        self.events.emit("elected", replica=self.leadership.replica_id, epoch=epoch,
                          run_id=run.run_id if run else "", versions=versions)
         self._wake.set()
 
@@ -220,30 +231,29 @@ class Engine:
         if self.role != "leader":
             return
         self.role = "standby"
-        self.events.emit("step_down", replica=self.replica_id, epoch=self.epoch, reason=reason)
+        self.events.emit("step_down", replica=self.leadership.replica_id, epoch=self.epoch,
+                         reason=reason)
         self.policy, self.store = None, None
         self.leader_address = ""
-        if self.on_demoted is not None:
-            self.on_demoted(reason)
+        self.leadership.resign(reason)
 
     async def _publish_guard(self, record: FragmentRecord) -> None:
         """Replicate a durable version, then make sure this replica may still publish it.
 
         Nothing awaits between this check and the store's publish."""
         epoch = self.epoch
-        if not self.lease_valid():
+        if not self.leadership.holds():
             self.demote("lease not renewed in time")
             raise NotLeader("", epoch)
         try:
-            if self.replicate is not None:
-                await self.replicate(record)
+            await self.leadership.replicate(record)
         except NotLeader as exc:
             self.demote(f"cannot replicate version {record.version} of fragment "
                         f"{record.fragment}: {exc.message}")
             raise
         if self.role != "leader" or self.epoch != epoch:
             raise NotLeader(self.leader_address, self.known_epoch)
-        if not self.lease_valid():
+        if not self.leadership.holds():
             self.demote("lease not renewed in time")
             raise NotLeader("", epoch)
 
@@ -280,7 +290,7 @@ class Engine:
         role = self.role
         if not self.draining:
             self.draining = True
-            self.events.emit("drain", replica=self.replica_id, role=role)
+            self.events.emit("drain", replica=self.leadership.replica_id, role=role)
         policy, store = self.policy, self.store
         if policy is None or store is None or role != "leader":
             return Drained(role, 0, [])
@@ -296,7 +306,7 @@ class Engine:
                 pass  # a commit under way ends first
         committed = sum(store.stats(p)[0] for p in range(len(store.slots))) - commits
         left_open = policy.open_rounds() if policy is self.policy else []
-        self.events.emit("drained", replica=self.replica_id, committed=committed,
+        self.events.emit("drained", replica=self.leadership.replica_id, committed=committed,
                          left_open=left_open)
         return Drained(role, committed, left_open)
 
@@ -308,7 +318,7 @@ class Engine:
         self.draining = False
         if self.policy is not None:
             self.policy.drain(False)
-        self.events.emit("drain_abandoned", replica=self.replica_id, reason=reason)
+        self.events.emit("drain_abandoned", replica=self.leadership.replica_id, reason=reason)
 
     async def stop(self) -> None:
         if self._timer is not None:
@@ -371,8 +381,7 @@ class Engine:
             run = RunRecord(run_id=uuid.uuid4().hex[:12], layout_hash=layout.hash, numels=numels)
             self.state.save_run(run)
             self._adopt(run)
-            if self.on_run_created is not None:
-                self.on_run_created(run)
+            self.leadership.run_created(run)
         assert self.run is not None and self.policy is not None
         if layout.hash != self.run.layout_hash:
             raise Rejected(Reason.LAYOUT_MISMATCH,
@@ -414,11 +423,8 @@ class Engine:
                   backlog: int) -> tuple[list[FragmentView], int]:
         """The learner's views and the H assigned to it (0: it keeps its own)."""
         self.require_leader()
-        policy = self._policy()
-        policy.require_member(learner_id)
-        policy.heartbeat(learner_id, self.clock(), local_step)
-        stats = self.learners.setdefault(learner_id, LearnerStats())
-        stats.local_step, stats.backlog = local_step, backlog
+        self._policy().heartbeat(learner_id, self.clock(), local_step)
+        self.learners.setdefault(learner_id, LearnerStats()).backlog = backlog
         self._wake.set()
         return self.views(learner_id), self.assign_sync_every(learner_id)
 
@@ -467,9 +473,11 @@ class Engine:
         once the header is checked and a staging buffer is free."""
         self.require_leader()
         policy, store = self._policy(), self._store()
+        # Before the header's own checks, which read the fragment's size; `admit`
+        # makes these two again for a contribution, which is why it is asked last.
         policy.require_member(header.learner_id)
         p = header.fragment
-        self._check_fragment(p)
+        policy.require_fragment(p)
         assert self.run is not None
         if header.layout_hash != self.run.layout_hash:
             raise Rejected(Reason.LAYOUT_MISMATCH,
@@ -491,7 +499,7 @@ class Engine:
         if header.init:
             if codec.name != "fp32":
                 raise Rejected(Reason.BAD_ENCODING, "an initial value must be sent as fp32")
-            self._check_uninitialized(p)
+            policy.check_initialize(p, header.seq)
         else:
             prescale = policy.admit(offer, self.clock()).weight
         try:
@@ -541,13 +549,10 @@ class Engine:
             with self._counting_cuts(header):
                 norm, nbytes = await self._receive(header, codec, chunks, lease.buffer,
                                                    prescale, announce)
-            stats = self.learners.setdefault(header.learner_id, LearnerStats())
-            stats.bytes_in += nbytes
-            self.metrics.bytes_in.add(nbytes)
+            self.metrics.bytes_in.add(nbytes, {"learner": header.learner_id})
             async with store.lock(p):
                 if header.init:
-                    self._check_uninitialized(p)
-                    check_seq(header.seq)
+                    policy.check_initialize(p, header.seq)
                     await store.initialize(p, lease.buffer, {header.learner_id: header.seq},
                                            self.epoch, self._guard())
                     lease.buffer = None
@@ -560,7 +565,7 @@ class Engine:
                 lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm,
                                                 prescale)
                 policy.accept(admission, self.clock(), norm_sq=norm * norm)
-        stats.contributions += 1
+        self.learners.setdefault(header.learner_id, LearnerStats()).contributions += 1
         self.metrics.contributions.add(1, {"fragment": str(p)})
         self.metrics.staleness.record(admission.staleness)
         replaces = {} if admission.replaces is None else {"replaces": admission.replaces.seq}
@@ -662,13 +667,6 @@ class Engine:
                 await asyncio.to_thread(self.state.save_seq_reservations, reservation)
                 policy.reserved(reservation)
 
-    def _check_uninitialized(self, fragment: int) -> None:
-        published = self._store().published(fragment)
-        if published is not None:
-            raise Rejected(Reason.ALREADY_INITIALIZED,
-                           f"fragment {fragment} already has version {published.version}; "
-                           f"pull it instead")
-
     # -- pulls ------------------------------------------------------------------
 
     async def pull(self, learner_id: str, fragment: int, have_version: int,
@@ -694,15 +692,9 @@ class Engine:
 
     def _check_pull(self, learner_id: str, fragment: int) -> None:
         self.require_leader()
-        self._policy().require_member(learner_id)
-        self._check_fragment(fragment)
-
-    def _check_fragment(self, fragment: int) -> None:
-        store = self._store()
-        if fragment >= len(store.slots):
-            raise Rejected(Reason.UNKNOWN_FRAGMENT,
-                           f"fragment {fragment} does not exist (this run has fragments "
-                           f"0..{len(store.slots) - 1})")
+        policy = self._policy()
+        policy.require_member(learner_id)
+        policy.require_fragment(fragment)
 
     # -- rounds -----------------------------------------------------------------
 
@@ -762,49 +754,11 @@ class Engine:
         self.metrics.quorum_wait.record(close.quorum_at - close.opened_at, attrs)
         self.metrics.grace.record(close.grace_s, attrs)
         self.metrics.sync_time.record(sync_s, attrs)
-        fields: dict[str, Any] = {"epoch": epoch} if self.config.ha.enabled else {}
+        fields: dict[str, Any] = {"epoch": epoch} if self.leadership.elected else {}
         self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
                          quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
                          sync_s=sync_s, why=close.why, quorum=close.quorum,
                          step_scale=close.step_scale, **fields, **_choice_fields(close))
-
-    # -- status -----------------------------------------------------------------
-
-    def status(self) -> pb.StatusResponse:
-        now = self.clock()
-        counts = self.metrics.counts()  # the instruments themselves, not a copy kept here
-        response = pb.StatusResponse(
-            run_id=self.run.run_id if self.run else "", uptime_s=now - self.started_at,
-            min_quorum=quorum if isinstance(quorum := self.config.policy.min_quorum, int) else 0,
-            bytes_in=counts.total("ftsync_bytes_in"),
-            bytes_out=counts.total("ftsync_bytes_out"),
-            layout_hash=self.run.layout_hash if self.run else "",
-            role=self.role, epoch=self.epoch if self.role == "leader" else self.known_epoch,
-            leader=self.leader_address, replica_id=self.replica_id, draining=self.draining)
-        response.rejections.update(counts.by("ftsync_rejections", "reason"))
-        policy, store = self.policy, self.store
-        if policy is None or store is None:
-            return response
-        for learner_id in sorted(policy.known_learners()):
-            stats = self.learners.get(learner_id, LearnerStats())
-            response.learners.append(pb.LearnerStatus(
-                learner_id=learner_id, live=policy.is_live(learner_id, now),
-                heartbeat_age_s=now - policy.last_seen(learner_id),
-                step_time_s=policy.step_time(learner_id) or 0.0,
-                local_step=stats.local_step, contributions=stats.contributions,
-                rejections=stats.rejections, bytes_in=stats.bytes_in, backlog=stats.backlog,
-                host=stats.host))
-        for p, published in enumerate(store.snapshot()):
-            opened_at, deadline = policy.round_timing(p)
-            commits, merged = store.stats(p)
-            response.fragments.append(pb.FragmentInfo(
-                fragment=p, version=published.version if published else -1,
-                numel=store.numel(p), round_learners=sorted(policy.round_learners(p)),
-                round_age_s=now - opened_at if opened_at is not None else 0.0,
-                grace_left_s=deadline - now if deadline is not None else -1.0,
-                commits=commits, merged_contributions=merged,
-                last_commit_age_s=now - published.committed_at if published else -1.0))
-        return response
 
     # -- internals ---------------------------------------------------------------
 
@@ -825,7 +779,7 @@ class Engine:
         return {p: v for p, v in versions.items() if v >= 0}
 
     def _guard(self) -> Guard | None:
-        return self._publish_guard if self.config.ha.enabled else None
+        return self._publish_guard if self.leadership.elected else None
 
     def _policy(self) -> Policy:
         if self.policy is None:

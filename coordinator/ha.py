@@ -1,8 +1,10 @@
 """One coordinator replica of a highly available run: the engine's etcd side.
 
-`Replica` wires the election (`coordinator.election`), learner membership on
-etcd leases (`coordinator.etcd_membership`) and replication
-(`coordinator.replication`) around one engine, and turns their news into
+`Replica` builds one engine with the election (`coordinator.election`),
+learner membership on etcd leases (`coordinator.etcd_membership`) and
+replication (`coordinator.replication`) around it. It is the engine's elected
+`Leadership` (the engine asks it whether the lease holds and hands it every
+version to replicate before publishing), and it turns the election's news into
 role changes: elected → the engine resumes from its own state directory (the
 newest replicated state) and leads at the new epoch; deposed, or unable to
 publish safely → the engine drops what it held as leader and waits to be
@@ -26,15 +28,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.durability import RunRecord, StateError
+from coordinator.durability import FragmentRecord, RunRecord, StateError
 from coordinator.election import Callbacks, Election
 from coordinator.engine import Engine
 from coordinator.errors import NotLeader, Reason, Rejected
 from coordinator.etcd import Etcd, EtcdError
 from coordinator.etcd_membership import EtcdMembership
+from coordinator.leadership import Leadership
 from coordinator.replication import Replicator
 from coordinator.tasks import cancel_and_wait
 from protos import discovery, tls
+from protos.bulk import BulkServer
 from protos.discovery import LeaderRecord
 from protos.tls import TlsMaterial
 
@@ -44,14 +48,16 @@ _DRAIN_POLL_S = 0.05
 _PING_S = 1.0
 
 
-class Replica:
-    """Election, membership and replication for one engine."""
+class Replica(Leadership):
+    """Election, membership and replication for the engine it builds (`engine`)."""
 
-    def __init__(self, engine: Engine, config: CoordinatorConfig, address: str,
+    elected = True
+
+    def __init__(self, config: CoordinatorConfig, address: str,
                  material: TlsMaterial | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 bulk: BulkServer | None = None) -> None:
         ha = config.ha
-        self.engine = engine
         self.config = config
         self.clock = clock
         self.address = ha.advertise or address
@@ -61,14 +67,9 @@ class Replica:
         self.election = Election(self.etcd, ha.run, self.replica_id, self.address,
                                  ha.lease_ttl_s, clock)
         self.membership = EtcdMembership(self.etcd, ha.run, config.policy.heartbeat_timeout_s)
-        self.replicator = Replicator(engine, self.etcd, ha, self.replica_id, clock, material)
-        engine.membership = self.membership
-        engine.replica_id = self.replica_id
-        engine.address = self.address
-        engine.lease_valid = self.election.holds
-        engine.replicate = self.replicator.replicate
-        engine.on_demoted = self._demoted
-        engine.on_run_created = self.run_created
+        self.engine = Engine(config, self, clock, self.membership, bulk)
+        self.replicator = Replicator(self.engine, self.etcd, ha, self.replica_id, clock,
+                                     material)
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         # Said once: this replica will not lead (see `_holds_the_run`).
@@ -76,7 +77,7 @@ class Replica:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.election.run_forever(Callbacks(
-            elected=self._elected, deposed=self._deposed, leader_seen=self._leader_seen,
+            elected=self._elected, deposed=self._deposed, leader_seen=self.engine.leader_seen,
             may_campaign=self._may_campaign)), name="election")
 
     async def stop(self) -> None:
@@ -175,15 +176,6 @@ class Replica:
         await self.replicator.stop()
         await self.membership.stop()
 
-    def _leader_seen(self, leader: LeaderRecord | None) -> None:
-        if leader is None:
-            if self.engine.role != "leader":
-                self.engine.leader_address = ""
-            return
-        self.engine.known_epoch = max(self.engine.known_epoch, leader.epoch)
-        if self.engine.role != "leader":
-            self.engine.leader_address = leader.address
-
     async def _may_campaign(self) -> bool:
         """Under sync replication only a replica holding every published version
         may lead: the in-sync set the last leader recorded names it (or none exists).
@@ -222,7 +214,15 @@ class Replica:
         self._standing_by = not holds
         return holds
 
-    def _demoted(self, reason: str) -> None:
+    # -- the engine's leadership -----------------------------------------------------------
+
+    def holds(self) -> bool:
+        return self.election.holds()
+
+    async def replicate(self, record: FragmentRecord) -> None:
+        await self.replicator.replicate(record)
+
+    def resign(self, reason: str) -> None:
         """The engine stepped down by itself: give up the lease (the election then
         reports the deposition, which stops the links)."""
         self.election.resign(reason)

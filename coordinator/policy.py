@@ -453,6 +453,11 @@ class Policy:
         previous, learner.sync_every = learner.sync_every, choice.sync_every
         return replace(choice, previous=previous)
 
+    def local_step(self, learner_id: str) -> int:
+        """The inner step its last heartbeat or contribution reported (0 before any)."""
+        learner = self._learners.get(learner_id)
+        return learner.local_step if learner else 0
+
     # -- fragments ---------------------------------------------------------
 
     @property
@@ -477,13 +482,26 @@ class Policy:
         rnd = self._fragment(fragment).round
         return rnd.opened_at, rnd.deadline
 
-    def initialize(self, fragment: int, learner_id: str, seq: int) -> None:
-        """Record that `fragment` now has its initial value as version 0, pushed by
-        `learner_id` as contribution `seq` (an id that is then used up)."""
+    def require_fragment(self, fragment: int) -> None:
+        """Raise `Rejected(UNKNOWN_FRAGMENT)` unless the run has `fragment`."""
+        self._fragment(fragment)
+
+    def check_initialize(self, fragment: int, seq: int) -> None:
+        """Raise `Rejected` unless `fragment` may take its initial value now, pushed
+        as contribution `seq`. Changes nothing: the shell calls it on the header (to
+        refuse early) and again before writing the value, then `initialize`."""
         frag = self._fragment(fragment)
         if frag.version >= 0:
             raise Rejected(Reason.ALREADY_INITIALIZED,
-                           f"fragment {fragment} already has version {frag.version}")
+                           f"fragment {fragment} already has version {frag.version}; "
+                           f"pull it instead")
+        check_seq(seq)
+
+    def initialize(self, fragment: int, learner_id: str, seq: int) -> None:
+        """Record that `fragment` now has its initial value as version 0, pushed by
+        `learner_id` as contribution `seq` (an id that is then used up)."""
+        self.check_initialize(fragment, seq)
+        frag = self._fragment(fragment)
         frag.version = 0
         frag.round = _Round(version=1)
         frag.merged_seq[learner_id] = max(frag.merged_seq.get(learner_id, 0), seq)

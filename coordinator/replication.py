@@ -23,8 +23,9 @@ campaign to lead, so a new leader always holds every published version.
 `async` streams without waiting (a failover may lose the newest versions);
 `none` replicates nothing.
 
-Called by `coordinator.engine` through its `replicate` hook (leader side)
-and by `coordinator.service` (`read_replica`, standby side).
+Called by `coordinator.ha.Replica`, the engine's leadership, before each
+publish (leader side) and by `coordinator.service` (`read_replica`, standby
+side).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The gRPC shell: translates `Synchronizer`, `Replication` and `Admin` RPCs to the engine.
 
 It authenticates (per-learner bearer tokens in the `authorization`
-metadata), turns protobuf into engine calls and back, and maps every
-`Rejected` to a gRPC status here, in one table. Every refusal carries its
+metadata), turns protobuf into engine calls and back (`Admin.Status` it
+reads from the engine's policy, store and metrics: `status_of`), and maps
+every `Rejected` to a gRPC status here, in one table. Every refusal carries its
 reason code in the `ftsync-reason` trailing metadata, and the facts a client
 acts on beside it (a standby names the leader in `ftsync-leader`), so that
 learners never parse the message. A call to another version of the contract
@@ -27,7 +28,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from coordinator.engine import Engine, FragmentView
+from coordinator.engine import Engine, FragmentView, LearnerStats
 from coordinator.errors import Cut, Reason, Rejected
 from coordinator.references import References, Served
 from coordinator.replication import read_replica
@@ -399,7 +400,7 @@ class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
     async def Status(self, request: pb.StatusRequest,
                      context: Context) -> pb.StatusResponse:
         await self._authorize("Status", context)
-        return self.engine.status()
+        return status_of(self.engine)
 
     async def Drain(self, request: pb.DrainRequest, context: Context) -> pb.DrainResponse:
         await self._authorize("Drain", context)
@@ -418,6 +419,48 @@ class AdminService(pb_grpc.AdminServicer):  # type: ignore[misc]
                                 f"certificate issued to {ADMIN_NAME!r}")
             self.engine.record_rejection(rpc, "", rejected)
             await abort(context, rejected)
+
+
+def status_of(engine: Engine) -> pb.StatusResponse:
+    """What `Admin.Status` answers, read where each fact is kept: the daemon-wide and
+    per-learner counts from the metrics' instruments, liveness, steps and rounds from
+    the policy, versions and commits from the fragment store."""
+    now = engine.clock()
+    counts = engine.metrics.counts()
+    run = engine.run
+    leading = engine.role == "leader"
+    response = pb.StatusResponse(
+        run_id=run.run_id if run else "", uptime_s=now - engine.started_at,
+        min_quorum=quorum if isinstance(quorum := engine.config.policy.min_quorum, int) else 0,
+        bytes_in=counts.total("ftsync_bytes_in"), bytes_out=counts.total("ftsync_bytes_out"),
+        layout_hash=run.layout_hash if run else "", role=engine.role,
+        epoch=engine.epoch if leading else engine.known_epoch, leader=engine.leader_address,
+        replica_id=engine.leadership.replica_id, draining=engine.draining)
+    response.rejections.update(counts.by("ftsync_rejections", "reason"))
+    policy, store = engine.policy, engine.store
+    if policy is None or store is None:
+        return response
+    bytes_in = counts.by("ftsync_bytes_in", "learner")
+    for learner_id in sorted(policy.known_learners()):
+        stats = engine.learners.get(learner_id, LearnerStats())
+        response.learners.append(pb.LearnerStatus(
+            learner_id=learner_id, live=policy.is_live(learner_id, now),
+            heartbeat_age_s=now - policy.last_seen(learner_id),
+            step_time_s=policy.step_time(learner_id) or 0.0,
+            local_step=policy.local_step(learner_id), contributions=stats.contributions,
+            rejections=stats.rejections, bytes_in=bytes_in[learner_id],
+            backlog=stats.backlog, host=stats.host))
+    for p, published in enumerate(store.snapshot()):
+        opened_at, deadline = policy.round_timing(p)
+        commits, merged = store.stats(p)
+        response.fragments.append(pb.FragmentInfo(
+            fragment=p, version=published.version if published else -1,
+            numel=store.numel(p), round_learners=sorted(policy.round_learners(p)),
+            round_age_s=now - opened_at if opened_at is not None else 0.0,
+            grace_left_s=deadline - now if deadline is not None else -1.0,
+            commits=commits, merged_contributions=merged,
+            last_commit_age_s=now - published.committed_at if published else -1.0))
+    return response
 
 
 def _statuses(views: list[FragmentView]) -> list[pb.FragmentStatus]:

@@ -16,6 +16,7 @@ from coordinator.engine import Engine
 from coordinator.errors import NotLeader, Reason, Rejected
 from coordinator.replication import read_replica, replica_messages
 from protos import ftsync_pb2 as pb
+from tests.unit.test_leadership import Elected
 
 RUN = RunRecord("run-1", "layout", (3000, 5_000_000))
 
@@ -68,7 +69,7 @@ def test_malformed_streams_are_refused() -> None:
 def standby(tmp_path: Path) -> Engine:
     config = CoordinatorConfig(state_dir=str(tmp_path / "state"), fsync=False,
                                ha=HaConfig(etcd=("127.0.0.1:2379",)))
-    return Engine(config)
+    return Engine(config, Elected())
 
 
 def test_a_standby_takes_the_newest_epoch_and_refuses_older_ones(tmp_path: Path) -> None:

@@ -1,0 +1,184 @@
+"""The engine under each leadership it is built with, without etcd or `coordinator.ha`:
+embedded it leads from the start and publishes at once; elected it refuses learners
+until promoted, naming the leader the election saw, and publishes only what it
+handed to its standbys while its lease held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.config import CoordinatorConfig, HaConfig
+from coordinator.durability import FragmentRecord, RunRecord
+from coordinator.engine import Engine
+from coordinator.errors import NotLeader
+from coordinator.leadership import AlwaysLeader, Leadership
+from coordinator.service import status_of
+from protos import ftsync_pb2 as pb
+from protos.codec import codec_named, iter_chunk_messages
+from protos.discovery import LeaderRecord
+from protos.metadata import LEADER
+
+NUMEL = 64
+LAYOUT = pb.Layout(hash="layout", fragments=[pb.FragmentSpec(fragment=0, numel=NUMEL)])
+JOIN = pb.JoinRequest(learner_id="a", layout=LAYOUT)
+
+
+class Elected(Leadership):
+    """An elected replica's leadership with the election left out: the lease holds
+    while `lease` says so, and what the engine hands over is kept to look at."""
+
+    elected = True
+
+    def __init__(self, replica_id: str = "r1", address: str = "127.0.0.1:7001") -> None:
+        self.replica_id = replica_id
+        self.address = address
+        self.lease = True
+        self.replicated: list[tuple[int, int]] = []
+        self.resigned: list[str] = []
+        self.runs: list[RunRecord] = []
+        # Raised by `replicate` when set: a standby knows a newer epoch.
+        self.deposed: NotLeader | None = None
+
+    def holds(self) -> bool:
+        return self.lease
+
+    async def replicate(self, record: FragmentRecord) -> None:
+        if self.deposed is not None:
+            raise self.deposed
+        self.replicated.append((record.fragment, record.version))
+
+    def resign(self, reason: str) -> None:
+        self.resigned.append(reason)
+
+    def run_created(self, run: RunRecord) -> None:
+        self.runs.append(run)
+
+
+def engine_in(tmp_path: Path, leadership: Leadership | None = None,
+              ha: HaConfig | None = None) -> Engine:
+    config = CoordinatorConfig(state_dir=str(tmp_path / "state"), fsync=False,
+                               event_log=str(tmp_path / "events.jsonl"), ha=ha or HaConfig())
+    return Engine(config, leadership)
+
+
+def run(engine: Engine, scenario: Callable[[], Awaitable[None]]) -> None:
+    async def started() -> None:
+        await engine.start()
+        try:
+            await scenario()
+        finally:
+            await engine.stop()
+
+    asyncio.run(started())
+
+
+async def push(engine: Engine, seq: int, init: bool = False) -> None:
+    """Learner a's initial value of fragment 0, or a contribution against version 0."""
+    values = np.full(NUMEL, 1.0 if init else 0.01, np.float32)
+    header = pb.PushHeader(learner_id="a", fragment=0, layout_hash="layout", seq=seq,
+                           base_version=0, c_tokens=100, c_steps=10, codec=pb.CODEC_FP32,
+                           numel=NUMEL, init=init)
+
+    async def chunks() -> AsyncIterator[pb.PushMessage]:
+        for message in iter_chunk_messages(values, codec_named("fp32"), pb.PushMessage):
+            yield message
+
+    await engine.push(header, chunks())
+
+
+async def committed(engine: Engine) -> None:
+    """Until fragment 0 publishes version 1 (learner a alone closes its round)."""
+    assert engine.store is not None
+    published = await engine.store.wait_newer(0, 0, 10.0)
+    assert published is not None and published.version == 1
+
+
+def events(tmp_path: Path, kind: str) -> list[dict[str, object]]:
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def test_an_engine_built_without_a_leadership_always_leads(tmp_path: Path) -> None:
+    engine = engine_in(tmp_path)
+    assert isinstance(engine.leadership, AlwaysLeader)
+
+    async def scenario() -> None:
+        assert engine.serving
+        assert engine.join(JOIN).next_seq == 1
+        await push(engine, 1, init=True)
+        await push(engine, 2)
+        await committed(engine)
+        status = status_of(engine)
+        assert (status.role, status.leader, status.replica_id) == ("leader", "", "")
+
+    run(engine, scenario)
+    # Embedded, no commit is stamped with an epoch: there is no election.
+    (commit,) = events(tmp_path, "commit")
+    assert commit["version"] == 1 and "epoch" not in commit
+
+
+def test_an_elected_engine_redirects_until_promoted_and_publishes_what_it_replicated(
+        tmp_path: Path) -> None:
+    leadership = Elected()
+    engine = engine_in(tmp_path, leadership, HaConfig(etcd=("127.0.0.1:2379",)))
+
+    async def scenario() -> None:
+        assert engine.role == "standby" and not engine.serving
+        with pytest.raises(NotLeader) as nobody:
+            engine.join(JOIN)
+        assert nobody.value.leader == "" and nobody.value.facts == ()
+        engine.leader_seen(LeaderRecord("r2", "127.0.0.1:7002", 7))
+        with pytest.raises(NotLeader) as elsewhere:
+            engine.join(JOIN)
+        assert (elsewhere.value.leader, elsewhere.value.epoch) == ("127.0.0.1:7002", 7)
+        assert elsewhere.value.facts == ((LEADER, "127.0.0.1:7002"),)
+        status = status_of(engine)
+        assert (status.role, status.epoch, status.leader) == ("standby", 7, "127.0.0.1:7002")
+        assert leadership.runs == []
+
+        await engine.promote(9, None)
+        engine.leader_seen(LeaderRecord("r1", leadership.address, 9))
+        assert engine.serving and engine.leader_address == leadership.address
+        engine.join(JOIN)
+        assert [r.layout_hash for r in leadership.runs] == ["layout"]
+        await push(engine, 1, init=True)
+        await push(engine, 2)
+        await committed(engine)
+        assert leadership.replicated == [(0, 0), (0, 1)]
+        assert status_of(engine).replica_id == "r1"
+
+        # The lease lapses: learners are told no leader is known.
+        leadership.lease = False
+        with pytest.raises(NotLeader) as lapsed:
+            engine.join(JOIN)
+        assert (lapsed.value.leader, lapsed.value.epoch) == ("", 9)
+        assert not engine.serving
+
+    run(engine, scenario)
+    assert [e["epoch"] for e in events(tmp_path, "elected")] == [9]
+    assert [e["epoch"] for e in events(tmp_path, "commit")] == [9]
+
+
+def test_an_elected_engine_that_cannot_replicate_steps_down_and_resigns(
+        tmp_path: Path) -> None:
+    leadership = Elected()
+    engine = engine_in(tmp_path, leadership, HaConfig(etcd=("127.0.0.1:2379",)))
+
+    async def scenario() -> None:
+        await engine.promote(3, None)
+        engine.join(JOIN)
+        leadership.deposed = NotLeader("", 4)
+        with pytest.raises(NotLeader):
+            await push(engine, 1, init=True)
+        assert (engine.role, engine.policy) == ("standby", None)
+        assert len(leadership.resigned) == 1
+        assert "cannot replicate version 0 of fragment 0" in leadership.resigned[0]
+        assert leadership.replicated == []
+
+    run(engine, scenario)
