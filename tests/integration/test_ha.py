@@ -270,8 +270,10 @@ def test_a_partitioned_leader_steps_down_and_its_late_writes_are_refused(
             await wait_for(lambda: replicas.commits(new, epoch, paused_at), 30,
                            "a new leader's commit")
         finally:
+            # Taken before it runs again: frozen until then, it emits nothing later than
+            # this, and once resumed it may step down before this thread reads the clock.
+            resumed_at = time.time()
             replicas.replicas[old].resume()
-        resumed_at = time.time()
         await wait_for(lambda: replicas.roles()[old] == ("standby", new_epoch), 15,
                        "the old leader to step down and follow the new one")
         await learners.finish()
