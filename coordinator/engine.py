@@ -715,8 +715,12 @@ class Engine:
                 deadline = None
             wait = _TICK_S if deadline is None else min(_TICK_S, deadline - self.clock())
             self._wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner
+            # wait's result when a cancel arrives as the wake is set (a heartbeat just
+            # before `stop`), and the timer would then run on and `stop` wait for ever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+                async with asyncio.timeout(max(wait, 0.0)):
+                    await self._wake.wait()
 
     def _fail(self, reason: str) -> None:
         """Stop committing for good. The round is closed and its momentum stepped in

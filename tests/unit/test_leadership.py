@@ -114,8 +114,14 @@ def test_an_engine_built_without_a_leadership_always_leads(tmp_path: Path) -> No
         await push(engine, 1, init=True)
         await push(engine, 2)
         await committed(engine)
+        engine.heartbeat("a", local_step=5, backlog=0)
         status = status_of(engine)
         assert (status.role, status.leader, status.replica_id) == ("leader", "", "")
+        # Each learner's counts are read where they are kept: bytes in from the
+        # metrics (two pushes of fp32 values), its step from the policy.
+        (learner,) = status.learners
+        assert learner.bytes_in == status.bytes_in == 2 * 4 * NUMEL
+        assert (learner.local_step, learner.contributions) == (5, 1)
 
     run(engine, scenario)
     # Embedded, no commit is stamped with an epoch: there is no election.
