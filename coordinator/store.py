@@ -303,8 +303,11 @@ class FragmentStore:
 
         async with slot.changed:
             if not newer():
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+                # that arrives as the version does, and the cancelled pull goes on.
                 try:
-                    await asyncio.wait_for(slot.changed.wait_for(newer), timeout)
+                    async with asyncio.timeout(timeout):
+                        await slot.changed.wait_for(newer)
                 except TimeoutError:
                     return None
         return slot.published
