@@ -173,7 +173,10 @@ def test_a_contributions_trace_crosses_the_learner_and_the_daemon(
 def test_learner_and_daemon_metrics_arrive_over_otlp(
         otlp: Received, start_daemon: Callable[..., Daemon]) -> None:
     daemon = start_daemon("--set", "policy.grace_max_s=0.2")
-    run_learner(daemon, "measured", "--fragments", "1", "--steps", "30")
+    # Lock-step: each apply waits for the version that merges its own push, so the
+    # apply lag is recorded however long a commit takes (streaming, a busy machine's
+    # commits outlasting τ steps would make every apply a fall-back, which has none).
+    run_learner(daemon, "measured", "--fragments", "1", "--steps", "30", "--lockstep")
     wanted = ("ftsync_learner_pushes", "ftsync_learner_backlog", "ftsync_learner_apply_lag",
               "ftsync_learner_tokens_per_s")
     wait_until(lambda: all(otlp.metric("ftsync-learner", name) for name in wanted)
