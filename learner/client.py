@@ -5,7 +5,8 @@ it owns the learner's half of exactly-once: every pushed contribution stays
 in an outbox until a committed manifest names it (the durable merged-seq
 watermark the coordinator reports reaches its seq), and is pushed again
 when the coordinator comes back without it. A contribution leaves the
-outbox only as merged, or as dropped with the coordinator's reason.
+outbox only as merged, or as dropped with the coordinator's reason. That
+bookkeeping is the pure `learner.outbox`; this module makes the calls.
 Transport failures are retried with exponential backoff and jitter.
 
 A highly available synchronizer is named by a comma-separated list of
@@ -38,7 +39,7 @@ import os
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -47,6 +48,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, SpanKind
 
 from learner.metrics import LearnerMetrics
+from learner.outbox import Contribution, Outbox, OutboxStats, Settled
 from protos import discovery, metadata, telemetry
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
@@ -156,23 +158,6 @@ class Retry:
             delay = min(delay * 2, self.max_s)
 
 
-@dataclass
-class Contribution:
-    """One pushed outer gradient, kept until a committed manifest names it."""
-
-    fragment: int
-    seq: int
-    base_version: int
-    c_tokens: int
-    c_steps: int
-    local_step: int
-    delta: np.ndarray
-    # Learner time the contribution's steps took (for goodput accounting).
-    work_s: float = 0.0
-    acknowledged: bool = False
-    in_flight: bool = False
-
-
 @dataclass(frozen=True)
 class Pulled:
     fragment: int
@@ -184,15 +169,6 @@ class Pulled:
     rewound: bool = False
     # The coordinator's span of the round that committed it, when it says.
     trace: SpanContext | None = None
-
-
-@dataclass
-class OutboxStats:
-    merged: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    # Fragment → the version its last acknowledged push merges into.
-    pushed: dict[int, int] = field(default_factory=dict)
-    repushed: int = 0
 
 
 class SynchronizerClient:
@@ -261,10 +237,7 @@ class SynchronizerClient:
         self.heartbeat_interval_s = 1.0
         # (version, commit id) of each fragment as the coordinator last reported it.
         self.published: dict[int, tuple[int, int]] = {}
-        self.watermarks: dict[int, int] = {}
-        self.outbox: dict[tuple[int, int], Contribution] = {}
-        self.stats = OutboxStats()
-        self._next_seq = 1
+        self.outbox = Outbox()
         self._joins = 0
         self._rejoin = asyncio.Lock()
         self._left = False
@@ -291,10 +264,8 @@ class SynchronizerClient:
         self.chunk_bytes = response.chunk_bytes or self.chunk_bytes
         self.heartbeat_interval_s = response.heartbeat_interval_ms / 1000.0 or 1.0
         self.sync_every = response.sync_every
-        self._next_seq = max(self._next_seq, response.next_seq)
+        self.outbox.joined(response.next_seq)
         self._observe(response.fragments)
-        for contribution in self.outbox.values():
-            contribution.acknowledged = False
         self._joins += 1
         self.events.emit("join", learner=self.learner_id, run_id=self.run_id,
                          versions=dict(self.versions), coordinator=self.address,
@@ -330,6 +301,11 @@ class SynchronizerClient:
             await channel.close(grace=None)
         if self.metrics.exporting:  # the last export
             await asyncio.to_thread(self.metrics.flush)
+
+    @property
+    def stats(self) -> OutboxStats:
+        """How the contributions pushed so far settled."""
+        return self.outbox.stats
 
     @property
     def versions(self) -> dict[int, int]:
@@ -395,8 +371,8 @@ class SynchronizerClient:
     async def push_initial(self, fragment: int, values: np.ndarray) -> bool:
         """Offer our values as the fragment's version 0; False if another learner won."""
         header = pb.PushHeader(learner_id=self.learner_id, fragment=fragment,
-                               layout_hash=self.layout_hash, seq=self._take_seq(), init=True,
-                               codec=codec_named("fp32").wire, numel=values.size)
+                               layout_hash=self.layout_hash, seq=self.outbox.take_seq(),
+                               init=True, codec=codec_named("fp32").wire, numel=values.size)
         try:
             await self._call(lambda: self._push(header, values, codec_named("fp32")))
         except Refused as refused:
@@ -409,17 +385,13 @@ class SynchronizerClient:
                    c_steps: int, local_step: int, work_s: float = 0.0) -> int | None:
         """Push an outer gradient; it stays in the outbox until merged or dropped.
         Returns the version the coordinator will merge it into, when it says."""
-        contribution = Contribution(fragment, self._take_seq(), base_version, c_tokens,
-                                    c_steps, local_step, delta, work_s)
-        self.outbox[(fragment, contribution.seq)] = contribution
-        return await self._send(contribution)
+        return await self._send(self.outbox.add(fragment, delta, base_version, c_tokens,
+                                                c_steps, local_step, work_s))
 
     async def repush_unacknowledged(self) -> None:
         """Push again whatever the coordinator does not hold (after it restarted)."""
-        for contribution in sorted(self.outbox.values(), key=lambda c: c.seq):
-            if (not contribution.acknowledged and not contribution.in_flight
-                    and (contribution.fragment, contribution.seq) in self.outbox):
-                self.stats.repushed += 1
+        for contribution in self.outbox.to_push_again():
+            if self.outbox.pushing_again(contribution):
                 await self._send(contribution)
 
     @property
@@ -437,7 +409,7 @@ class SynchronizerClient:
             target = await self._send_once(c)
             if target is not None:
                 outcome = "acked"
-            elif (c.fragment, c.seq) in self.outbox:
+            elif self.outbox.holds(c):
                 outcome = "held" if c.acknowledged else "unsent"  # held: in the open round
             else:
                 outcome = "merged" if self.stats.merged > merged else "refused"
@@ -453,27 +425,21 @@ class SynchronizerClient:
         self.events.emit("push_invoke", learner=self.learner_id, fragment=c.fragment,
                          seq=c.seq, base_version=c.base_version, c_steps=c.c_steps,
                          work_s=round(c.work_s, 4))
-        c.in_flight = True
         try:
-            ack = await self._call(lambda: self._push(header, c.delta, self.codec))
+            with self.outbox.sending(c):
+                ack = await self._call(lambda: self._push(header, c.delta, self.codec))
         except Refused as refused:
             if refused.reason in _GO_ELSEWHERE:  # none led while it retried: none refused it
                 self._unsent(c, refused)
-            elif refused.reason == "replayed" and c.seq <= int(
-                    refused.facts.get(metadata.MERGED_SEQ, "0")):
-                self._settle(c, merged=True)
-            elif refused.reason == "replayed":
-                c.acknowledged = True  # the open round already holds it
             else:
-                self._settle(c, merged=False, reason=refused.reason, detail=refused.details)
+                self._report(self.outbox.refused(
+                    c, refused.reason, int(refused.facts.get(metadata.MERGED_SEQ, "0")),
+                    refused.details))
             return None
         except (grpc.RpcError, TimeoutError) as exc:
             self._unsent(c, exc)
             return None
-        finally:
-            c.in_flight = False
-        c.acknowledged = True
-        self.stats.pushed[c.fragment] = int(ack.target_version)
+        self.outbox.acked(c, int(ack.target_version))
         self.events.emit("push_ack", learner=self.learner_id, fragment=c.fragment, seq=c.seq,
                          target=ack.target_version, weight=ack.weight,
                          staleness=ack.staleness)
@@ -656,35 +622,30 @@ class SynchronizerClient:
 
     # -- internals ------------------------------------------------------------------
 
-    def _take_seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
-
     def _observe(self, statuses: Iterable[pb.FragmentStatus]) -> None:
         """Learn versions and durable watermarks; settle merged contributions."""
         for status in statuses:
             self.published[status.fragment] = (status.version, status.commit_id)
-            self.watermarks[status.fragment] = status.merged_seq
-            for c in [c for c in self.outbox.values()
-                      if c.fragment == status.fragment and c.seq <= status.merged_seq]:
-                self._settle(c, merged=True)
+            for settled in self.outbox.observe(status.fragment, status.merged_seq):
+                self._report(settled)
 
-    def _settle(self, c: Contribution, merged: bool, reason: str = "",
-                detail: str = "") -> None:
-        if self.outbox.pop((c.fragment, c.seq), None) is None:
+    def count_drop(self, fragment: int, reason: str, work_s: float = 0.0) -> None:
+        """A contribution given up before it was sent (the send queue was full)."""
+        self._report(self.outbox.dropped_unsent(fragment, reason, work_s))
+
+    def _report(self, settled: Settled | None) -> None:
+        """Say how a contribution left the outbox (None: it did not)."""
+        if settled is None:
             return
-        if merged:
-            self.stats.merged += 1
-            self.events.emit("merged", learner=self.learner_id, fragment=c.fragment, seq=c.seq)
+        if settled.merged:
+            self.events.emit("merged", learner=self.learner_id, fragment=settled.fragment,
+                             seq=settled.seq)
+        elif settled.seq is None:
+            self.events.emit("dropped", learner=self.learner_id, fragment=settled.fragment,
+                             reason=settled.reason, work_s=settled.work_s)
         else:
-            self.count_drop(c.fragment, reason, seq=c.seq, detail=detail)
-
-    def count_drop(self, fragment: int, reason: str, **fields: Any) -> None:
-        """A contribution given up: refused by the coordinator, or never sent."""
-        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-        self.events.emit("dropped", learner=self.learner_id, fragment=fragment, reason=reason,
-                         **fields)
+            self.events.emit("dropped", learner=self.learner_id, fragment=settled.fragment,
+                             reason=settled.reason, seq=settled.seq, detail=settled.detail)
 
     async def _call(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call`, re-joining once if the coordinator no longer knows us
