@@ -91,7 +91,7 @@ async def leader_kills(out: Path, kills: int, ttl_s: int) -> dict[str, object]:
     try:
         replicas.start()
         for client in clients:
-            client.addresses = replicas.addresses.split(",")
+            client.replicas.addresses = replicas.addresses.split(",")
         tasks = [asyncio.create_task(steady_learner(c, NUMELS, stop)) for c in clients]
         for kill in range(kills):
             await asyncio.to_thread(replicas.wait_in_sync, 60.0)

@@ -16,7 +16,8 @@ the client follows at once; an unreachable replica sends it to the next
 one, and so does a replica that answers `draining` (an operator's
 `Admin.Drain`: it takes no new rounds and hands over, or exits to be
 upgraded). Every answer carries the leader's epoch, and the client ignores one
-from an epoch older than it has seen (a deposed leader). After a change of
+from an epoch older than it has seen (a deposed leader); which replica to
+call is `learner.routing`'s, and this module's retry loop drives it. After a change of
 leader the new one does not know the learner: the client joins again and
 pushes every contribution still in the outbox; the ones already merged are
 recognised by their ids and settled.
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import random
 import socket
@@ -49,9 +49,9 @@ from opentelemetry.trace import SpanContext, SpanKind
 
 from learner.metrics import LearnerMetrics
 from learner.outbox import Contribution, Outbox, OutboxStats, Settled
-from protos import discovery, metadata, telemetry
+from learner.routing import Replicas, Router, WrongReplica
 from protos import ftsync_pb2 as pb
-from protos import ftsync_pb2_grpc as pb_grpc
+from protos import metadata, telemetry
 from protos.bulk import (
     BulkError,
     BulkPool,
@@ -62,7 +62,6 @@ from protos.bulk import (
 )
 from protos.codec import (
     FP32,
-    MESSAGE_SIZE_OPTIONS,
     Codec,
     CodecError,
     add_delta,
@@ -72,17 +71,10 @@ from protos.codec import (
 )
 from protos.events import EventLog
 from protos.stream import ChunkReader, StreamError
-from protos.tls import TlsMaterial, aio_channel, diagnose
+from protos.tls import TlsMaterial, diagnose
 
 T = TypeVar("T")
 
-_CHANNEL_OPTIONS = [
-    *MESSAGE_SIZE_OPTIONS,
-    # Notice a cut connection in seconds, not at the next call's deadline.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 # Codes worth retrying: the coordinator is down, restarting or overloaded.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -101,18 +93,8 @@ FAILOVER_WINDOW_S = 10.0
 # A heartbeat answers in milliseconds; one that takes this long means a frozen
 # or cut-off coordinator, and the search for the leader starts.
 _HEARTBEAT_DEADLINE_S = 2.0
-# How often to read the leader record while waiting for it to change.
-_ETCD_POLL_S = 0.1
 
 _TRACER = trace.get_tracer(__name__)
-
-
-class _WrongReplica(Exception):
-    """The replica asked does not lead (now); `leader` is a hint where to go."""
-
-    def __init__(self, why: str, leader: str = "") -> None:
-        super().__init__(why)
-        self.leader = leader
 
 
 class Refused(Exception):
@@ -209,23 +191,9 @@ class SynchronizerClient:
         self.events = events or EventLog("")
         self.device = device
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        # Replicas to try, the current one first; with etcd, found there.
-        self._etcd: tuple[list[str], str] | None = None
-        if address.startswith("etcd://"):
-            self._etcd = discovery.parse_etcd_url(address)
-            self.addresses: list[str] = []
-        else:
-            self.addresses = [a.strip() for a in address.split(",") if a.strip()]
-        self._current = 0
-        # The newest leader epoch seen; answers from older epochs are ignored.
-        self.epoch = 0
-        # Made on first use, on the loop that will drive them; one per replica.
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Task[None]] = set()
-        # Changes of replica so far: a call cancelled by one is retried.
-        self._switches = 0
-        # When each replica last failed to answer (loop time).
-        self._failed_at: dict[str, float] = {}
+        # Which replica to call (the leader's epoch, hints, etcd), and its channel.
+        self.replicas = Replicas(address)
+        self.router = Router(self.replicas, tls)
         # Replicas whose TLS has been checked after a failed connection.
         self._tls_checked: set[str] = set()
         self.run_id = ""
@@ -255,9 +223,9 @@ class SynchronizerClient:
                 pb.FragmentSpec(fragment=i, numel=n) for i, n in enumerate(self.numels)]))
         async def join_once() -> pb.JoinResponse:
             self.may_be_member = True
-            reply: pb.JoinResponse = await self._stub.Join(request, metadata=self._metadata,
+            reply: pb.JoinResponse = await self.router.stub.Join(request, metadata=self._metadata,
                                                            timeout=10)
-            self._check_epoch(reply.epoch)
+            self.replicas.check_epoch(reply.epoch)
             return reply
         response = await self._retrying(join_once)
         self.run_id = response.run_id
@@ -276,9 +244,9 @@ class SynchronizerClient:
         request = pb.HeartbeatRequest(learner_id=self.learner_id, local_step=local_step,
                                       backlog=len(self.outbox))
         async def heartbeat_once() -> pb.HeartbeatResponse:
-            reply: pb.HeartbeatResponse = await self._stub.Heartbeat(
+            reply: pb.HeartbeatResponse = await self.router.stub.Heartbeat(
                 request, metadata=self._metadata, timeout=_HEARTBEAT_DEADLINE_S)
-            self._check_epoch(reply.epoch)
+            self.replicas.check_epoch(reply.epoch)
             return reply
         response = await self._call(heartbeat_once)
         self.sync_every = response.sync_every or self.sync_every
@@ -291,14 +259,12 @@ class SynchronizerClient:
         self.may_be_member = False
         # Leaving a coordinator that is gone is nothing to report.
         with contextlib.suppress(grpc.RpcError):
-            await self._stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, reason=reason),
+            await self.router.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, reason=reason),
                                    metadata=self._metadata, timeout=5)
 
     async def close(self) -> None:
         self._bulk.close()
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close(grace=None)
+        await self.router.close()
         if self.metrics.exporting:  # the last export
             await asyncio.to_thread(self.metrics.flush)
 
@@ -315,56 +281,14 @@ class SynchronizerClient:
     @property
     def address(self) -> str:
         """The replica this client talks to now ("" while none is known)."""
-        return self.addresses[self._current] if self.addresses else ""
-
-    @property
-    def _stub(self) -> pb_grpc.SynchronizerStub:
-        address = self.address
-        if not address:
-            raise _WrongReplica("no leader is known yet")
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = aio_channel(address, self.tls, _CHANNEL_OPTIONS)
-            self._channels[address] = channel
-        return pb_grpc.SynchronizerStub(channel)
-
-    def _check_epoch(self, epoch: int) -> None:
-        """Ignore a deposed leader: it answers with an epoch older than one seen."""
-        if epoch < self.epoch:
-            raise _WrongReplica(f"{self.address} answered for epoch {epoch}, but epoch "
-                                f"{self.epoch} has been seen")
-        self.epoch = epoch
+        return self.replicas.address
 
     async def _find_leader(self, hint: str, failed: bool) -> None:
-        """Move on after a replica refused or failed: to the leader it named, to
-        the leader etcd names, or to the next address of the list."""
-        before = self.address
-        if hint:
-            if hint not in self.addresses:
-                self.addresses.append(hint)
-            self._current = self.addresses.index(hint)
-        elif self._etcd is not None:
-            leader = await _leader_from_etcd(*self._etcd, avoid=before if failed else "",
-                                             wait_s=_HEARTBEAT_DEADLINE_S, tls=self.tls)
-            if leader and leader not in self.addresses:
-                self.addresses.append(leader)
-            if leader:
-                self._current = self.addresses.index(leader)
-            elif failed and self.addresses:
-                self._current = (self._current + 1) % len(self.addresses)
-        elif self.addresses:
-            self._current = (self._current + 1) % len(self.addresses)
-        if self.address != before:
-            self.events.emit("redirect", learner=self.learner_id, source_address=before,
+        """Move on after a replica refused or failed (`Router.find_leader`)."""
+        left = await self.router.find_leader(hint, failed, wait_s=_HEARTBEAT_DEADLINE_S)
+        if left is not None:
+            self.events.emit("redirect", learner=self.learner_id, source_address=left,
                              to=self.address)
-            # Calls still waiting on the old replica (frozen, or partitioned with its
-            # connections open) are cancelled, and so retried on the new one.
-            self._switches += 1
-            old = self._channels.pop(before, None)
-            if old is not None:
-                task = asyncio.get_running_loop().create_task(old.close(grace=None))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
 
     # -- pushes ---------------------------------------------------------------------
 
@@ -462,13 +386,13 @@ class SynchronizerClient:
 
         # The current span (a contribution's push) becomes the admit span's parent.
         call = await open_stream(
-            lambda messages: self._stub.PushFragment(
+            lambda messages: self.router.stub.PushFragment(
                 messages, metadata=self._metadata + telemetry.inject(), timeout=300),
             pb.PushMessage(header=header),
             lambda: iter_chunk_messages(values, codec, pb.PushMessage, chunk_bytes),
             on_bulk if header.bulk else None)
         response: pb.PushResponse = await call
-        self._check_epoch(response.epoch)
+        self.replicas.check_epoch(response.epoch)
         return response
 
     def _fall_back(self, address: str, error: Exception) -> None:
@@ -494,7 +418,7 @@ class SynchronizerClient:
         async def pull_once() -> Pulled | None:
             address = self.address
             request.bulk = self.bulk and address not in self._no_bulk
-            stream = self._stub.PullFragment(request, metadata=self._metadata,
+            stream = self.router.stub.PullFragment(request, metadata=self._metadata,
                                              timeout=wait_s + 300)
             try:
                 pulled = await self._read_fragments(aiter(stream), only=fragment,
@@ -507,7 +431,7 @@ class SynchronizerClient:
                 if isinstance(exc, BulkUnreachable):
                     self._fall_back(address, exc)
                 request.bulk = False
-                stream = self._stub.PullFragment(request, metadata=self._metadata,
+                stream = self.router.stub.PullFragment(request, metadata=self._metadata,
                                                  timeout=wait_s + 300)
                 pulled = await self._read_fragments(aiter(stream), only=fragment)
             if pulled is None:
@@ -539,7 +463,7 @@ class SynchronizerClient:
     async def snapshot(self) -> dict[int, Pulled]:
         """Every published fragment, at one consistent vector of versions."""
         async def fetch() -> dict[int, Pulled]:
-            stream = aiter(self._stub.FetchSnapshot(
+            stream = aiter(self.router.stub.FetchSnapshot(
                 pb.SnapshotRequest(learner_id=self.learner_id), metadata=self._metadata,
                 timeout=600))
             result: dict[int, Pulled] = {}
@@ -562,7 +486,7 @@ class SynchronizerClient:
                                                           and header.fragment != only):
                 raise StreamError("malformed", "pull stream out of order: expected a header "
                                                f"of fragment {only if only is not None else 'any'}")
-            self._check_epoch(header.epoch)
+            self.replicas.check_epoch(header.epoch)
             if header.not_modified:
                 return None
             if header.version >= 0:
@@ -692,21 +616,21 @@ class SynchronizerClient:
         # Replicas tried since the last backoff: go round them all before waiting.
         tried = 0
         while True:
-            switches = self._switches
+            switches = self.router.switches
             try:
-                if not self.addresses and self._etcd is not None:
+                if not self.replicas.addresses and self.replicas.etcd is not None:
                     await self._find_leader("", failed=False)
                 return await call()
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if task is None or task.cancelling() or switches == self._switches:
+                if task is None or task.cancelling() or switches == self.router.switches:
                     raise
                 # Its replica was left behind (closing its channel cancels the call).
                 if failing_for() >= self.retry.give_up_after_s:
                     raise Refused(grpc.StatusCode.UNAVAILABLE,
                                   "the coordinator changed while the call waited",
                                   "") from None
-            except _WrongReplica as wrong:
+            except WrongReplica as wrong:
                 out_of_time = failing_for() >= self.retry.give_up_after_s
                 if out_of_time and not self.address:
                     # Nobody to be refused by: etcd names no leader, or cannot be reached.
@@ -730,8 +654,8 @@ class SynchronizerClient:
                     raise
                 leader = refused.facts.get(metadata.LEADER, "") if not_leader else ""
                 if leader:
-                    if loop.time() - self._failed_at.get(leader, -math.inf) < \
-                            _HEARTBEAT_DEADLINE_S:
+                    if self.replicas.failed_within(leader, loop.time(),
+                                                   _HEARTBEAT_DEADLINE_S):
                         # Sent back to a replica that just failed: its lease has yet to
                         # expire. Ask this one again; it may be the next leader.
                         await asyncio.sleep(_FAILOVER_BACKOFF_S)
@@ -743,48 +667,15 @@ class SynchronizerClient:
                 # way, or none to come): go round the replicas, then back off.
                 tried += 1
                 if not not_leader:
-                    self._failed_at[self.address] = loop.time()
-                if len(self.addresses) > 1 or self._etcd is not None:
+                    self.replicas.failed(self.address, loop.time())
+                if self.replicas.several:
                     await self._find_leader("", failed=not not_leader)
-                if tried < max(len(self.addresses), 1):
+                if tried < max(len(self.replicas.addresses), 1):
                     await asyncio.sleep(random.uniform(*_REDIRECT_S))
                 else:
                     tried = 0
                     delay = next(delays)
-                    replicas = not_leader or len(self.addresses) > 1 or self._etcd is not None
-                    if replicas and failing_for() < FAILOVER_WINDOW_S:
+                    if (not_leader or self.replicas.several) and failing_for() < FAILOVER_WINDOW_S:
                         # A failover may be under way: look again soon.
                         delay = min(delay, _FAILOVER_BACKOFF_S)
                     await asyncio.sleep(delay)
-
-
-async def _leader_from_etcd(endpoints: list[str], run: str, avoid: str = "",
-                            wait_s: float = 0.0, tls: TlsMaterial | None = None) -> str:
-    """The leader's address as etcd has it; "" when none leads or etcd is unreachable.
-
-    While it is `avoid` (a replica that just failed) or absent, it is read again,
-    on the same connection, for up to `wait_s`: a frozen or cut-off leader's record
-    stays until its lease expires, then none leads until a standby's campaign lands,
-    and calling the failed replica again meanwhile would only wait out another
-    deadline."""
-    import aetcd  # only learners that discover through etcd need it
-
-    from protos import etcd_tls
-
-    host, _, port = endpoints[random.randrange(len(endpoints))].rpartition(":")
-    client = etcd_tls.client(host, int(port), tls, timeout=2)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    try:
-        while True:
-            entry = await asyncio.wait_for(client.get(discovery.leader_key(run)), 3)
-            leader = ("" if entry is None else
-                      discovery.LeaderRecord.decode(entry.value, entry.create_revision).address)
-            if not avoid or leader not in (avoid, "") or loop.time() >= deadline:
-                return leader
-            await asyncio.sleep(_ETCD_POLL_S)
-    except (aetcd.ClientError, grpc.RpcError, TimeoutError):
-        return ""
-    finally:
-        with contextlib.suppress(aetcd.ClientError, grpc.RpcError, TimeoutError):
-            await asyncio.wait_for(client.close(), 2)

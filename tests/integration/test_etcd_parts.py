@@ -12,7 +12,7 @@ from chaos.etcd import EtcdCluster
 from coordinator.election import Callbacks, Election
 from coordinator.etcd import Etcd
 from coordinator.etcd_membership import EtcdMembership
-from learner.client import _leader_from_etcd
+from learner.routing import leader_from_etcd
 from protos import discovery
 from protos.discovery import LeaderRecord
 
@@ -145,7 +145,7 @@ def test_a_learner_looking_past_a_failed_leader_waits_out_the_election_gap(
         await client.put(key, LeaderRecord("a", "127.0.0.1:1", 0).encode())
         reads = key_reads(etcd)
         looking = asyncio.create_task(
-            _leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1", wait_s=5.0))
+            leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1", wait_s=5.0))
         await reads_past(etcd, reads + 1)  # it read the failed leader, and again
         await client.delete(key)
         reads = key_reads(etcd)
@@ -155,10 +155,10 @@ def test_a_learner_looking_past_a_failed_leader_waits_out_the_election_gap(
         assert await asyncio.wait_for(looking, 3.0) == "127.0.0.1:2"
         # Not looking past anyone, the gap is the answer, at once.
         await client.delete(key)
-        assert await asyncio.wait_for(_leader_from_etcd(etcd.endpoints, "t"), 3.0) == ""
+        assert await asyncio.wait_for(leader_from_etcd(etcd.endpoints, "t"), 3.0) == ""
         # Nobody campaigns: after `wait_s` the learner has its answer all the same.
         started = time.monotonic()
-        assert await _leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1",
+        assert await leader_from_etcd(etcd.endpoints, "t", avoid="127.0.0.1:1",
                                        wait_s=0.5) == ""
         assert time.monotonic() - started < 3.0
         await client.close()

@@ -196,7 +196,7 @@ def test_a_failed_start_stops_everything_it_started(tmp_path: Path) -> None:
         learner.start()
     sync = learner._sync
     assert not sync._thread.is_alive() and sync._loop.is_closed()
-    assert not sync.client._channels and learner.events._out is None
+    assert not sync.client.router.open and learner.events._out is None
     assert [t.name for t in threading.enumerate()
             if t.ident not in before and t.name.startswith("ftsync")] == []
     learner.close()  # a no-op after a failed start, not a hang

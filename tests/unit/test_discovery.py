@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from coordinator.etcd import channel_targets
-from learner.client import Refused, SynchronizerClient, _WrongReplica
+from learner.client import Refused, SynchronizerClient
+from learner.routing import WrongReplica
 from protos.discovery import LeaderRecord, leader_key, parse_etcd_url
 from protos.metadata import LEADER
 
@@ -36,12 +37,12 @@ def test_etcd_targets() -> None:
 
 def test_a_learner_ignores_answers_from_an_older_epoch() -> None:
     client = SynchronizerClient("a:1, b:2", "l0", "layout", [10])
-    assert client.addresses == ["a:1", "b:2"] and client.address == "a:1"
-    client._check_epoch(5)
-    client._check_epoch(5)
-    with pytest.raises(_WrongReplica):
-        client._check_epoch(4)
-    assert client.epoch == 5
+    assert client.replicas.addresses == ["a:1", "b:2"] and client.address == "a:1"
+    client.replicas.check_epoch(5)
+    client.replicas.check_epoch(5)
+    with pytest.raises(WrongReplica):
+        client.replicas.check_epoch(4)
+    assert client.replicas.epoch == 5
     assert SynchronizerClient("etcd://h:1/r", "l0", "layout", [10]).address == ""
 
 
