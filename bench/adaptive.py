@@ -3,8 +3,8 @@ same tokens and seed, all measured in one run.
 
 Four `ftsync-learner` processes train `digits` (one torch thread each, every step
 sleeping `--step-ms` to stand in for an accelerator, as in `bench/convergence.py`)
-through a real `python -m coordinator` at the daemon's outer defaults (DiLoCo's lr 0.7
-and Nesterov 0.9, scaled per round), in three settings:
+through a real `python -m coordinator` at the daemon's outer defaults (lr 0.7 without
+momentum, scaled per round), in three settings:
 
 - **heterogeneous**: learners at 1×, 1×, ½× and ¼× speed for the whole run (the
   setting of `experiments/heterogeneous.toml`: SIGSTOP/SIGCONT duty cycles and a

@@ -77,7 +77,7 @@ class CoordinatorSpec:
     def overrides(self) -> dict[str, str]:
         """The settings as the coordinator's `--set` overrides. Async runs default to
         an outer step without momentum: with quorum 1 each round merges a few stale
-        deltas, and DiLoCo's Nesterov momentum (the coordinator's default) diverges."""
+        deltas, and DiLoCo's Nesterov momentum diverges there."""
         defaults = ASYNC_OUTER if self.mode == "async" else {}
         # Written back as TOML values (true, not Python's True), as --set parses them.
         return {key: str(value).lower() if isinstance(value, bool) else str(value)

@@ -36,10 +36,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Per-fragment SGD with Nesterov momentum, as in DiLoCo."""
+    """Per-fragment outer SGD (Nesterov when momentum is set, as in DiLoCo)."""
 
     lr: float = 0.7
-    momentum: float = 0.9
+    # DiLoCo's 0.9 steps 3-7 times as far as the learners moved (the momentum sums a
+    # run of aligned outer gradients); on the built-in tasks it diverged in lock-step
+    # rounds at every H tried (5 to 500) and lost to none in every other measured
+    # setting (BENCHMARKS.md "Outer defaults"). 0: each round steps lr of its merge.
+    momentum: float = 0.0
     nesterov: bool = True
     # Scale lr and momentum per round by `RoundClose.step_scale` (the share of live
     # learners merged over one plus the mean staleness), so that DiLoCo's values,

@@ -65,8 +65,8 @@ def test_quorum_holds_a_round_until_enough_learners_contribute(
         assert pulled is not None and pulled.version == 1
         # Quorum reached, c still live and silent: the grace window (0.3 s) ran out.
         assert 0.2 <= waited < 2.0
-        # Both contributions merged with equal weights: Θ = 1 − 0.7·(0.1 + 0.9·0.1).
-        np.testing.assert_allclose(pulled.values, 1 - 0.7 * 0.19, rtol=1e-6)
+        # Both contributions merged with equal weights: Θ = 1 − 0.7·0.1 (no momentum).
+        np.testing.assert_allclose(pulled.values, 1 - 0.7 * 0.1, rtol=1e-6)
         fragment = daemon.status().fragments[0]
         assert fragment.merged_contributions == 2 and fragment.commits == 1
         for x in (a, b, c):
@@ -182,7 +182,8 @@ def test_concurrent_pushers_each_merge_exactly_once(start_daemon: Callable[..., 
         pulled = await clients[0].pull(0, have_version=0, wait_s=10.0)
         assert pulled is not None and pulled.version == 1
         mean = np.mean([0.01 * (i + 1) for i in range(6)])
-        np.testing.assert_allclose(pulled.values, 1 - 0.7 * 1.9 * mean, rtol=1e-5)
+        # One outer step at the defaults: lr 0.7, no momentum.
+        np.testing.assert_allclose(pulled.values, 1 - 0.7 * mean, rtol=1e-5)
         for c in clients:
             await c.heartbeat(local_step=11)
             assert c.backlog == 0 and c.stats.merged == 1
@@ -218,7 +219,9 @@ def test_sigkill_loses_no_committed_version_and_open_rounds_are_repushed(
         start_daemon: Callable[..., Daemon], tmp_path: Path) -> None:
     state = tmp_path / "state"
     events = tmp_path / "coordinator.jsonl"
-    args = ("--min-quorum", "2", "--set", "policy.grace_max_s=0", "--event-log", str(events))
+    # DiLoCo's momentum, so that the resumed momentum shows in the next step.
+    args = ("--min-quorum", "2", "--set", "policy.grace_max_s=0", "--set", "outer.momentum=0.9",
+            "--event-log", str(events))
     daemon = start_daemon(*args, state_dir=state)
 
     async def before_crash() -> list[SynchronizerClient]:

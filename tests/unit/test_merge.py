@@ -188,8 +188,22 @@ def test_outer_step_without_momentum_is_plain_sgd(nesterov: bool) -> None:
     np.testing.assert_array_equal(momentum, delta)
 
 
+def test_the_default_outer_step_never_goes_farther_than_lr_times_the_merge() -> None:
+    # Rounds whose outer gradients point the same way (lock-step rounds at small H):
+    # DiLoCo's Nesterov 0.9 would step 1.9·lr, 2.71·lr, ... of each; the defaults
+    # step lr of each, however many such rounds come (BENCHMARKS.md "Outer defaults").
+    rng = np.random.default_rng(3)
+    delta = uniform(rng, 1000)
+    params, momentum = np.zeros(1000, np.float32), np.zeros(1000, np.float32)
+    config = OuterConfig().scaled(1.0)
+    for _ in range(10):
+        new = outer_step(config, params, momentum, delta.copy())
+        np.testing.assert_allclose(params - new, np.float32(config.lr) * delta, rtol=1e-5)
+        params = new
+
+
 def test_a_round_steps_with_lr_and_momentum_scaled_unless_adaptive_is_off() -> None:
-    scaled = OuterConfig().scaled(0.25)
+    scaled = OuterConfig(momentum=0.9).scaled(0.25)
     assert (scaled.lr, scaled.momentum, scaled.nesterov) == (pytest.approx(0.175),
                                                              pytest.approx(0.225), True)
     assert OuterConfig().scaled(1.0) == OuterConfig()
@@ -206,7 +220,7 @@ def test_outer_step_never_writes_params_and_returns_delta(size: int) -> None:
     params.setflags(write=False)
     momentum = uniform(rng, size)
     delta = uniform(rng, size)
-    out = outer_step(OuterConfig(), params, momentum, delta)
+    out = outer_step(OuterConfig(momentum=0.9), params, momentum, delta)
     assert out is delta
     np.testing.assert_array_equal(params, before)
     assert not np.shares_memory(out, params)
