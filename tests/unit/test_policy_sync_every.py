@@ -148,5 +148,6 @@ def test_a_straggler_gets_a_new_h_within_a_few_rounds(before: float, after: floa
     assert choice is not None
     ideal = 40 / after
     # Within a quarter (heartbeats see whole steps only, which biases a slow
-    # learner's estimate by up to a step per beat) or one step.
-    assert abs(choice.sync_every - ideal) <= max(1.0, 0.25 * ideal), (choice, ideal)
+    # learner's estimate by up to a step per beat) or one step; the bound itself
+    # included, as floats compute it (H 5 against 40 / 6 missed it by one ulp).
+    assert abs(choice.sync_every - ideal) <= max(1.0, 0.25 * ideal) + 1e-9, (choice, ideal)
