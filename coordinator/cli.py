@@ -22,6 +22,7 @@ from coordinator.durability import StateError
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import tls
+from protos.settings import number_or_auto
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="TOML configuration file")
         p.add_argument("--listen", help="HOST:PORT to serve on (port 0: any free port)")
         p.add_argument("--state-dir", help="directory for durable state")
-        p.add_argument("--min-quorum", type=_quorum,
+        p.add_argument("--min-quorum", type=number_or_auto("a count"),
                        help="contributions needed to close a round, or auto")
         p.add_argument("--sync-mode", type=int, metavar="M",
                        help="lock-step baseline: quorum M learners, no grace window, "
@@ -119,15 +120,6 @@ def _parser() -> argparse.ArgumentParser:
                        help="replace a CA already in --out")
     return parser
 
-
-def _quorum(text: str) -> int | str:
-    """--min-quorum: a count, or "auto" (each round chooses, policy.min_quorum_max caps)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a count or auto (got {text!r})") from None
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:

@@ -33,6 +33,7 @@ from learner.synthetic import RegressionTask, layout_hash
 from protos import discovery, tls
 from protos.codec import CodecError, codec_named
 from protos.events import EventLog
+from protos.settings import number_or_auto
 
 if TYPE_CHECKING:
     import torch
@@ -137,7 +138,7 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
     parser.add_argument("--device", default="auto", help="auto (GPU if present), cpu, cuda:N")
     parser.add_argument("--steps", type=int, default=500, help="inner steps to run at most")
     parser.add_argument("--tokens", type=int, default=0, help="stop after this many tokens")
-    parser.add_argument("--sync-every", type=_sync_every, default=20,
+    parser.add_argument("--sync-every", type=number_or_auto("a number of steps"), default=20,
                         help="H: steps per fragment sync, or auto (the coordinator assigns "
                              "each learner its H from its step rate, within policy.h_min "
                              "and policy.h_max)")
@@ -219,16 +220,6 @@ def _describe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
         lines.append(f"{action.option_strings[-1]} = {value!r}")
     return "\n".join(lines)
 
-
-def _sync_every(text: str) -> int | str:
-    """--sync-every: a number of steps, or "auto" (the coordinator assigns it)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of steps or auto (got {text!r})") from None
 
 
 def _addresses(value: str) -> list[str]:
