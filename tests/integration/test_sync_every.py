@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ FAST_S, SLOW_S = 0.005, 0.02
 SLOW_STEPS = 300
 
 
-def run_pair(daemon: Daemon, sync_every: int | str) -> dict[str, int]:
+def run_pair(daemon: Daemon, sync_every: int | Literal["auto"]) -> dict[str, int]:
     """Both learners train until the slow one has done SLOW_STEPS steps; the H each
     had in force at the end."""
     slow_done = threading.Event()
@@ -40,7 +40,7 @@ def run_pair(daemon: Daemon, sync_every: int | str) -> dict[str, int]:
         try:
             model = small_model(seed=0)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            with Learner(daemon.address, model, sync_every=sync_every,  # type: ignore[arg-type]
+            with Learner(daemon.address, model, sync_every=sync_every,
                          fragments=2, overlap=1, device="cpu",
                          learner_id=learner_id) as learner:
                 steps = 0
