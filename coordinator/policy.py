@@ -291,11 +291,21 @@ class _Learner:
     left: bool = False
     local_step: int = 0
     step_sample_at: float | None = None
-    step_time_s: float | None = None
+    # Seconds and steps between two samples, each averaged: their ratio is the step
+    # time. Averaging the per-sample ratio instead is biased when a beat sees whole
+    # steps only (1 or 2 steps a second average 0.75 s a step, not 0.67).
+    sampled_s: float | None = None
+    sampled_steps: float | None = None
     # The automatic quorum's arrival model: when it last pushed each fragment, and
     # its recent intervals between two pushes of one fragment.
     pushed_at: dict[int, float] = field(default_factory=dict)
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=_INTERVALS))
+
+    @property
+    def step_time_s(self) -> float | None:
+        if self.sampled_s is None or not self.sampled_steps:
+            return None
+        return self.sampled_s / self.sampled_steps
 
     def push_interval(self) -> float | None:
         """The median of its recent push intervals: robust to the odd slow round."""
@@ -780,8 +790,8 @@ class Policy:
         if local_step < learner.local_step:
             learner.step_sample_at = None  # the learner restarted its count: re-anchor
         if learner.step_sample_at is not None and local_step > learner.local_step:
-            per_step = (now - learner.step_sample_at) / (local_step - learner.local_step)
-            learner.step_time_s = _ewma(learner.step_time_s, per_step)
+            learner.sampled_s = _ewma(learner.sampled_s, now - learner.step_sample_at)
+            learner.sampled_steps = _ewma(learner.sampled_steps, local_step - learner.local_step)
         if learner.step_sample_at is None or local_step > learner.local_step:
             learner.local_step = local_step
             learner.step_sample_at = now

@@ -237,12 +237,14 @@ def test_step_time_estimates_come_from_heartbeats_and_are_smoothed() -> None:
     assert policy.step_time("a") == 2.0
     assert policy.step_time("b") == 3.0
     assert policy.step_time("c") == 1.0
-    # A later sample of 4 s/step over two steps: EWMA 0.7·2 + 0.3·4.
+    # A later sample of 8 s over two steps: seconds and steps each smoothed (EWMA
+    # 0.3), the step time their ratio.
     policy.heartbeat("a", 10.0, local_step=3)
-    assert policy.step_time("a") == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    smoothed = (0.7 * 2.0 + 0.3 * 8.0) / (0.7 * 1 + 0.3 * 2)
+    assert policy.step_time("a") == pytest.approx(smoothed)
     # No progress, no sample.
     policy.heartbeat("a", 50.0, local_step=3)
-    assert policy.step_time("a") == pytest.approx(2.6)
+    assert policy.step_time("a") == pytest.approx(smoothed)
     assert policy.step_time("nobody") is None
 
 
