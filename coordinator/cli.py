@@ -121,7 +121,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
     overrides = parse_overrides(args.set)
     flags = {

@@ -221,7 +221,6 @@ def _describe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-
 def _addresses(value: str) -> list[str]:
     return [address.strip() for address in value.split(",") if address.strip()]
 
