@@ -49,6 +49,7 @@ from numpy.typing import NDArray
 
 from chaos.local import CoordinatorProcess as Daemon
 from coordinator.certs import make_certificates
+from coordinator.config import OuterConfig
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata, tls
@@ -74,10 +75,9 @@ LAYOUT_HASH = "bench-layout"
 FP32 = codec_named("fp32")
 CODEC_NAMES = ("fp32", "bf16", "int8", "e3m0")
 PULL_WAIT_MS = 120_000
-# Outer-momentum and learning rate of the daemon's default outer optimizer, for the check
-# that the first merged version is what Nesterov SGD makes of one contribution.
-OUTER_LR = 0.7
-OUTER_MOMENTUM = 0.9
+# The daemon's default outer optimizer, for the check that the first merged version is
+# what it makes of one contribution (read from the config, not copied: a copy went stale).
+OUTER = OuterConfig()
 
 Floats = NDArray[np.float32]
 
@@ -554,8 +554,9 @@ async def daemon_transfer(address: str, sizes: list[int], theta: Floats, delta: 
             for concurrent in (False, True):
                 result = await timed_round(learner, deltas, outs, version, concurrent)
                 if version == 0:
-                    # One outer step from zero momentum: Θ1 = Θ0 − lr·(1 + μ)·Δ.
-                    step = np.float32(OUTER_LR * (1 + OUTER_MOMENTUM))
+                    # One outer step from zero momentum: Θ1 = Θ0 − lr·(1 + μ)·Δ
+                    # with Nesterov, Θ0 − lr·Δ without.
+                    step = np.float32(OUTER.lr * ((1 + OUTER.momentum) if OUTER.nesterov else 1))
                     expected = thetas[0][:4096] - step * deltas[0][:4096]
                     if not np.allclose(outs[0][:4096], expected, rtol=1e-5, atol=1e-6):
                         raise RuntimeError("version 1 is not one Nesterov step of the "
