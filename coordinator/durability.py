@@ -4,10 +4,13 @@ The daemon writes a fragment's file before it publishes the version in it,
 so a version a learner has seen is never lost when the daemon dies. Each
 file holds one fragment's committed version: fp32 parameters, outer-momentum,
 the per-learner merged-seq watermarks and the version's manifest, behind a
-checksummed header, written to a temporary file, fsynced and renamed into
-place. The checksum is xxh3-64 (the `xxhash` package): a commit hashes
-params and momentum, 800 MB per 100M parameters, and xxh3 does that ten times
-faster than zlib's crc32 (23 GB/s against 2 GB/s on the machine BENCHMARKS.md
+checksummed header, written to a temporary file, fsynced and put in place.
+The temporary file is the version before's: the two are exchanged
+(`renameat2`), not replaced, so the next commit rewrites blocks the file
+system already holds instead of allocating 8 bytes a parameter anew. The
+checksum is xxh3-64 (the `xxhash` package): a commit hashes params and
+momentum, 800 MB per 100M parameters, and xxh3 does that ten times faster
+than zlib's crc32 (23 GB/s against 2 GB/s on the machine BENCHMARKS.md
 names). Files written before it (`FTSYNCF1`, CRC-32) are still read. With
 high availability each record also names the epoch of the leader
 that committed it, and a standby writes the versions the leader streams to it
@@ -49,6 +52,8 @@ worker threads.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import math
 import os
@@ -82,6 +87,23 @@ SEGMENT_BYTES = 512 << 10
 KEEP_SEGMENTS = 16
 # Bytes read at a time when the active segment is parsed from its end.
 _BLOCK = 8 << 10
+
+
+def _libc_renameat2() -> Any:
+    """glibc's `renameat2` (2.28 and later), which Python does not wrap; None without it."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _libc_renameat2()
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
 
 class StateError(RuntimeError):
@@ -199,6 +221,8 @@ class StateDir:
         # Fragments commit in parallel, each in a worker thread: one appends (or
         # rolls the log) at a time.
         self._log_lock = threading.Lock()
+        # Until the file system refuses it once: fragment files are exchanged, not replaced.
+        self._exchanges = True
 
     # -- run ---------------------------------------------------------------
 
@@ -254,7 +278,7 @@ class StateDir:
         parts: list[bytes | memoryview] = [_MAGIC,
                                           _PREFIX.pack(len(header), digest.intdigest()), header,
                                           params.data.cast("B"), momentum.data.cast("B")]
-        self._atomic_write(self.fragment_path(record.fragment), parts)
+        self._recycling_write(self.fragment_path(record.fragment), parts)
         self._append_manifest(record)
         return sum(len(p) for p in parts)
 
@@ -401,6 +425,37 @@ class StateDir:
                 os.fsync(out.fileno())
         os.replace(tmp, path)
         self._sync_dir(path.parent)
+
+    def _recycling_write(self, path: Path, parts: list[bytes | memoryview]) -> None:
+        """`_atomic_write` into the pages of the version before: its file is kept as the
+        next temporary one, exchanged with the new version's (`renameat2`) instead of
+        unlinked, and overwritten in place. A fresh file of 200 MB (a 25M-parameter
+        fragment) took 0.05-0.6 s to write into the page cache here, a rewrite 0.02 s:
+        commit time a pull waits for. Costs one more file per fragment on disk. Where
+        the file system cannot exchange, the new file replaces the old as before."""
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        # No O_TRUNC: truncating frees the blocks the rewrite is to reuse.
+        with os.fdopen(os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as out:
+            for part in parts:
+                out.write(part)
+            out.truncate()
+            out.flush()
+            if self.fsync:
+                os.fsync(out.fileno())
+        if not (self._exchanges and path.exists() and self._exchange(tmp, path)):
+            os.replace(tmp, path)
+        self._sync_dir(path.parent)
+
+    def _exchange(self, a: Path, b: Path) -> bool:
+        """Swap two paths atomically; False (and never again) where unsupported."""
+        if _renameat2 is not None and _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD,
+                                                 os.fsencode(b), _RENAME_EXCHANGE) == 0:
+            return True
+        error = ctypes.get_errno() if _renameat2 is not None else errno.ENOSYS
+        if error not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+            raise OSError(error, os.strerror(error), str(a), None, str(b))
+        self._exchanges = False
+        return False
 
     def _sync_dir(self, path: Path) -> None:
         if self.fsync:

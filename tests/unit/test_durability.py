@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator import durability
 from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError, new_commit_id
 
 MAGIC_LEN = 8
@@ -141,13 +142,48 @@ def test_fragments_are_independent(state: StateDir) -> None:
     assert_same(state.load_fragment(1), second)
 
 
-def test_overwrite_leaves_only_the_new_version(state: StateDir) -> None:
+def test_an_overwrite_keeps_the_version_before_as_the_next_temporary_file(
+        state: StateDir) -> None:
+    old, new = record(fragment=2, version=1, seed=1), record(fragment=2, version=2, seed=2)
+    state.save_fragment(old)
+    first_inode = state.fragment_path(2).stat().st_ino
+    state.save_fragment(new)
+    assert_same(state.load_fragment(2), new)
+    fragments = state.root / "fragments"
+    assert sorted(p.name for p in fragments.iterdir()) == ["2.bin", "2.bin.tmp"]
+    # Exchanged, not unlinked: the old version's file (and its blocks) is the spare.
+    assert (fragments / "2.bin.tmp").stat().st_ino == first_inode
+    spare = StateDir(tmp := state.root.parent / "spare")
+    (tmp / "fragments" / "2.bin").write_bytes((fragments / "2.bin.tmp").read_bytes())
+    assert_same(spare.load_fragment(2), old)
+    # The third version is written into that file, and the second becomes the spare.
+    newest = record(fragment=2, version=3, seed=3, numel=10)
+    state.save_fragment(newest)
+    assert state.fragment_path(2).stat().st_ino == first_inode
+    assert_same(state.load_fragment(2), newest)
+    assert state.fragment_path(2).stat().st_size < (fragments / "2.bin.tmp").stat().st_size
+
+
+def test_a_torn_spare_never_touches_the_committed_version(state: StateDir) -> None:
+    state.save_fragment(record(fragment=0, version=1, seed=1))
+    committed = record(fragment=0, version=2, seed=2)
+    state.save_fragment(committed)
+    # A crash in the middle of the next rewrite leaves the spare half written.
+    (state.root / "fragments" / "0.bin.tmp").write_bytes(b"FTSYNCF2" + b"\xff" * 50_000)
+    assert_same(StateDir(state.root).load_fragment(0), committed)
+    after = record(fragment=0, version=3, seed=3, numel=3)
+    state.save_fragment(after)
+    assert_same(StateDir(state.root).load_fragment(0), after)
+
+
+def test_without_an_atomic_exchange_the_new_version_replaces_the_old(
+        state: StateDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(durability, "_renameat2", None)
     old, new = record(fragment=2, version=1, seed=1), record(fragment=2, version=2, seed=2)
     state.save_fragment(old)
     state.save_fragment(new)
     assert_same(state.load_fragment(2), new)
     assert sorted(p.name for p in (state.root / "fragments").iterdir()) == ["2.bin"]
-    assert not list(state.root.rglob("*.tmp"))
 
 
 def test_manifests_accumulate_one_line_per_save_in_order(state: StateDir) -> None:

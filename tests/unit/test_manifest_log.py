@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordinator import durability
 from coordinator.durability import FragmentRecord, StateDir, StateError, read_manifests
 
 FRAGMENTS = 3
@@ -57,18 +58,27 @@ class Crash(Exception):
 
 @contextmanager
 def crash_at_replace(n: int) -> Iterator[None]:
-    """The n-th os.replace from here on (1-based) is where the process dies."""
-    real = os.replace
+    """The n-th rename from here on (1-based) is where the process dies: an os.replace,
+    or the exchange that puts a fragment's next version in place of its last."""
+    real_replace, real_exchange = os.replace, durability._renameat2
     calls = 0
 
-    def replace(src: Any, dst: Any) -> None:
+    def count(src: Any, dst: Any) -> None:
         nonlocal calls
         calls += 1
         if calls == n:
             raise Crash(f"before replace {src} -> {dst}")
-        real(src, dst)
 
-    with mock.patch("coordinator.durability.os.replace", replace):
+    def replace(src: Any, dst: Any) -> None:
+        count(src, dst)
+        real_replace(src, dst)
+
+    def exchange(src_dir: int, src: bytes, dst_dir: int, dst: bytes, flags: int) -> int:
+        count(src, dst)
+        return int(real_exchange(src_dir, src, dst_dir, dst, flags))
+
+    with mock.patch("coordinator.durability.os.replace", replace), \
+            mock.patch("coordinator.durability._renameat2", exchange):
         yield
 
 
