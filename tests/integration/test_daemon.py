@@ -310,11 +310,14 @@ def test_three_synthetic_learner_processes_lower_the_held_out_loss(
     import subprocess
     import sys
 
-    # The outer defaults, which adapt the step to what each round merged.
+    # The outer defaults, which adapt the step to what each round merged. They scale it
+    # down by the rounds' staleness, which grows with the machine's load: at load 5, 200
+    # steps ended at 0.08-0.26 of the start (4 of 15 runs over this bound), 600 steps at
+    # load 7 at 0.003-0.03.
     daemon = start_daemon("--set", "policy.grace_max_s=0.3", "--set", f"policy.merge={merge!r}")
     processes = [subprocess.Popen(
         [sys.executable, "-m", "learner", "--coordinator", daemon.address, "--learner-id",
-         f"l{i}", "--task", "synthetic", "--shard", str(i), "--num-shards", "3", "--steps", "200",
+         f"l{i}", "--task", "synthetic", "--shard", str(i), "--num-shards", "3", "--steps", "600",
          "--step-ms", "5", "--dim", "512"],
         stdout=subprocess.PIPE, text=True) for i in range(3)]
     summaries = []
