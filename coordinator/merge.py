@@ -84,9 +84,19 @@ def outer_step(config: OuterConfig, params: np.ndarray, momentum: np.ndarray,
 
     `momentum` is updated in place; `delta` is consumed and becomes the new
     parameter array, so `params` (which pulls may still be streaming) is
-    never written. Works block by block so the only temporary is small."""
+    never written. Works block by block so the only temporary is small.
+
+    Without momentum (μ = 0, the default) there is no buffer to keep, as in torch's
+    SGD: `momentum` is left zero (zeroed if a run with momentum left it otherwise),
+    which saves two passes here and lets the durable record leave it out."""
     mu = np.float32(config.momentum)
     neg_lr = np.float32(-config.lr)
+    if mu == 0:
+        if momentum.any():
+            momentum.fill(0)
+        np.multiply(delta, neg_lr, out=delta)
+        np.add(delta, params, out=delta)
+        return delta
     tmp = np.empty(min(_BLOCK, delta.size), dtype=np.float32)
     for start in range(0, delta.size, _BLOCK):
         d = delta[start:start + _BLOCK]
