@@ -2,8 +2,9 @@
 
 The daemon writes a fragment's file before it publishes the version in it,
 so a version a learner has seen is never lost when the daemon dies. Each
-file holds one fragment's committed version: fp32 parameters, outer-momentum,
-the per-learner merged-seq watermarks and the version's manifest, behind a
+file holds one fragment's committed version: fp32 parameters, outer-momentum
+(left out when all zero, as it is without outer momentum, the default), the
+per-learner merged-seq watermarks and the version's manifest, behind a
 checksummed header, written to a temporary file, fsynced and put in place.
 The temporary file is the version before's: the two are exchanged
 (`renameat2`), not replaced, so the next commit rewrites blocks the file
@@ -78,6 +79,8 @@ _FORMATS: dict[bytes, tuple[struct.Struct, Callable[[memoryview], int]]] = {
     _MAGIC: (_PREFIX, xxhash.xxh3_64_intdigest),
     b"FTSYNCF1": (struct.Struct("<QI"), zlib.crc32),
 }
+# A fragment header's "momentum" when the buffer, all zero, is left out of the payload.
+_ZERO = "zero"
 # The manifest log: the active segment, the next one while a roll is under way,
 # and the directory of sealed segments.
 _ACTIVE = "manifests.jsonl"
@@ -267,17 +270,22 @@ class StateDir:
         """Write one fragment's committed version durably; returns bytes written."""
         params = np.ascontiguousarray(record.params, dtype="<f4")
         momentum = np.ascontiguousarray(record.momentum, dtype="<f4")
+        # Without outer momentum (the default) the buffer is all zero bits: left out,
+        # which halves what a commit hashes and writes.
+        payload = [params.data.cast("B")]
+        if momentum.view(np.uint32).any():
+            payload.append(momentum.data.cast("B"))
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "numel": params.size,
             "watermarks": record.watermarks, "manifest": record.manifest,
             "epoch": record.epoch, "commit_id": record.commit_id,
+            **({} if len(payload) == 2 else {"momentum": _ZERO}),
         }).encode()
         digest = xxhash.xxh3_64(header)
-        digest.update(params.data.cast("B"))
-        digest.update(momentum.data.cast("B"))
-        parts: list[bytes | memoryview] = [_MAGIC,
-                                          _PREFIX.pack(len(header), digest.intdigest()), header,
-                                          params.data.cast("B"), momentum.data.cast("B")]
+        for part in payload:
+            digest.update(part)
+        parts: list[bytes | memoryview] = [
+            _MAGIC, _PREFIX.pack(len(header), digest.intdigest()), header, *payload]
         self._recycling_write(self.fragment_path(record.fragment), parts)
         self._append_manifest(record)
         return sum(len(p) for p in parts)
@@ -551,13 +559,18 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
     header = json.loads(blob[offset:offset + header_len])
     offset += header_len
     numel = int(header["numel"])
+    zero_momentum = header.get("momentum")
+    if zero_momentum not in (None, _ZERO):
+        raise ValueError(f"momentum is {zero_momentum!r}; this version reads {_ZERO!r} or none")
+    expected = (4 if zero_momentum else 8) * numel
     payload = memoryview(blob)[offset:]
-    if len(payload) != 8 * numel:
-        raise ValueError(f"holds {len(payload)} payload bytes, expected {8 * numel}")
+    if len(payload) != expected:
+        raise ValueError(f"holds {len(payload)} payload bytes, expected {expected}")
     values = np.frombuffer(payload, dtype="<f4")
     return FragmentRecord(
         fragment=int(header["fragment"]), version=int(header["version"]),
-        params=values[:numel].copy(), momentum=values[numel:].copy(),
+        params=values[:numel].copy(),
+        momentum=np.zeros(numel, np.float32) if zero_momentum else values[numel:].copy(),
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
         manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)),
         commit_id=int(header.get("commit_id", 0)))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from coordinator import durability
 from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError, new_commit_id
@@ -109,6 +110,24 @@ def test_fragment_round_trip_is_bit_exact(state: StateDir, numel: int) -> None:
     loaded = state.load_fragment(3)
     assert_same(loaded, saved)
     assert StateDir(state.root).load_fragment(3) is not None
+
+
+def test_a_zero_momentum_is_left_out_of_the_file_and_loads_as_zeros(state: StateDir) -> None:
+    saved = record(numel=70000)
+    saved.momentum = np.zeros(70000, np.float32)
+    written = state.save_fragment(saved)
+    assert written == state.fragment_path(0).stat().st_size
+    blob = state.fragment_path(0).read_bytes()
+    start, end = header_span(blob)
+    assert json.loads(blob[start:end])["momentum"] == "zero"
+    assert len(blob) - end == 4 * 70000
+    loaded = state.load_fragment(0)
+    assert_same(loaded, saved)
+    assert loaded is not None and loaded.momentum.flags.writeable
+    # Bits, not values: a buffer of -0.0 is kept as written.
+    saved.momentum = np.full(70000, -0.0, np.float32)
+    assert state.save_fragment(saved) == written + 4 * 70000 - len(b', "momentum": "zero"')
+    assert_same(state.load_fragment(0), saved)
 
 
 def test_loaded_arrays_are_writable_copies(state: StateDir) -> None:
@@ -347,6 +366,22 @@ def test_damaged_header_value_raises_state_error(plain: StateDir, old: bytes,
     assert header.count(old) == 1
     path.write_bytes(blob[:start] + header.replace(old, new) + blob[end:])
     with pytest.raises(StateError):
+        plain.load_fragment(0)
+
+
+@pytest.mark.parametrize(("momentum", "payload_numels", "problem"), [
+    ("half", 1, "momentum is 'half'"), ("zero", 2, "expected 4000"), (None, 1, "expected 8000")])
+def test_a_checksummed_header_that_misstates_its_momentum_raises_state_error(
+        plain: StateDir, momentum: str | None, payload_numels: int, problem: str) -> None:
+    saved = record(numel=1000)
+    fields = {"fragment": 0, "version": 1, "numel": 1000, "watermarks": {}, "manifest": [],
+              **({} if momentum is None else {"momentum": momentum})}
+    header = json.dumps(fields).encode()
+    payload = saved.params.tobytes() * payload_numels
+    digest = xxhash.xxh3_64_intdigest(header + payload)
+    plain.fragment_path(0).write_bytes(
+        b"FTSYNCF2" + struct.pack("<QQ", len(header), digest) + header + payload)
+    with pytest.raises(StateError, match=problem):
         plain.load_fragment(0)
 
 
