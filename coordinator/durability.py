@@ -8,9 +8,9 @@ per-learner merged-seq watermarks and the version's manifest, behind a
 checksummed header, written to a temporary file, fsynced and put in place.
 The temporary file is the version before's: the two are exchanged
 (`renameat2`), not replaced, so the next commit rewrites blocks the file
-system already holds instead of allocating 8 bytes a parameter anew. The
-checksum is xxh3-64 (the `xxhash` package): a commit hashes params and
-momentum, 800 MB per 100M parameters, and xxh3 does that ten times faster
+system already holds instead of allocating them anew. The checksum is
+xxh3-64 (the `xxhash` package): a commit hashes params and momentum, up to
+800 MB per 100M parameters, and xxh3 does that ten times faster
 than zlib's crc32 (23 GB/s against 2 GB/s on the machine BENCHMARKS.md
 names). Files written before it (`FTSYNCF1`, CRC-32) are still read. With
 high availability each record also names the epoch of the leader
@@ -59,24 +59,28 @@ import json
 import math
 import os
 import secrets
+import stat
 import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import xxhash
 
-_MAGIC = b"FTSYNCF2"
+_MAGIC = b"FTSYNCF3"
 # Header length, then the xxh3-64 of header and payload together.
 _PREFIX = struct.Struct("<QQ")
 # What each file format begins with: its prefix and the checksum of what follows it.
-# FTSYNCF1, the format before xxh3, has a CRC-32: read, never written.
+# FTSYNCF2 always holds the momentum (F3 may leave a zero one out, a build that reads
+# only F2 says so instead of misreading it); FTSYNCF1, the format before xxh3, has a
+# CRC-32. Both are read, never written.
 _FORMATS: dict[bytes, tuple[struct.Struct, Callable[[memoryview], int]]] = {
     _MAGIC: (_PREFIX, xxhash.xxh3_64_intdigest),
+    b"FTSYNCF2": (_PREFIX, xxhash.xxh3_64_intdigest),
     b"FTSYNCF1": (struct.Struct("<QI"), zlib.crc32),
 }
 # A fragment header's "momentum" when the buffer, all zero, is left out of the payload.
@@ -92,7 +96,7 @@ KEEP_SEGMENTS = 16
 _BLOCK = 8 << 10
 
 
-def _libc_renameat2() -> Any:
+def _libc_renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
     """glibc's `renameat2` (2.28 and later), which Python does not wrap; None without it."""
     try:
         function = ctypes.CDLL(None, use_errno=True).renameat2
@@ -101,7 +105,7 @@ def _libc_renameat2() -> Any:
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                          ctypes.c_uint]
     function.restype = ctypes.c_int
-    return function
+    return cast(Callable[[int, bytes, int, bytes, int], int], function)
 
 
 _renameat2 = _libc_renameat2()
@@ -226,6 +230,8 @@ class StateDir:
         self._log_lock = threading.Lock()
         # Until the file system refuses it once: fragment files are exchanged, not replaced.
         self._exchanges = True
+        self._fragment_locks: dict[int, threading.Lock] = {}
+        self._fragment_locks_lock = threading.Lock()
 
     # -- run ---------------------------------------------------------------
 
@@ -268,6 +274,10 @@ class StateDir:
 
     def save_fragment(self, record: FragmentRecord) -> int:
         """Write one fragment's committed version durably; returns bytes written."""
+        with self._fragment_lock(record.fragment):
+            return self._save_fragment(record)
+
+    def _save_fragment(self, record: FragmentRecord) -> int:
         params = np.ascontiguousarray(record.params, dtype="<f4")
         momentum = np.ascontiguousarray(record.momentum, dtype="<f4")
         # Without outer momentum (the default) the buffer is all zero bits: left out,
@@ -294,7 +304,9 @@ class StateDir:
         path = self.fragment_path(fragment)
         if not path.exists():
             return None
-        blob = path.read_bytes()
+        # The file a read opens is the next commit's temporary file: no commit meanwhile.
+        with self._fragment_lock(fragment):
+            blob = path.read_bytes()
         try:
             return _parse_fragment(blob)
         except (ValueError, KeyError, TypeError, struct.error) as exc:
@@ -423,6 +435,13 @@ class StateDir:
                 old.unlink()
         return self._log
 
+    def _fragment_lock(self, fragment: int) -> threading.Lock:
+        """One writer or reader of a fragment's files at a time, in this process: a
+        commit and a replicated version of one fragment can overlap in a failover, and
+        a replication catch-up reads while the fragment commits."""
+        with self._fragment_locks_lock:
+            return self._fragment_locks.setdefault(fragment, threading.Lock())
+
     def _atomic_write(self, path: Path, parts: list[bytes | memoryview] | list[bytes]) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "wb") as out:
@@ -437,13 +456,12 @@ class StateDir:
     def _recycling_write(self, path: Path, parts: list[bytes | memoryview]) -> None:
         """`_atomic_write` into the pages of the version before: its file is kept as the
         next temporary one, exchanged with the new version's (`renameat2`) instead of
-        unlinked, and overwritten in place. A fresh file of 200 MB (a 25M-parameter
-        fragment) took 0.05-0.6 s to write into the page cache here, a rewrite 0.02 s:
-        commit time a pull waits for. Costs one more file per fragment on disk. Where
-        the file system cannot exchange, the new file replaces the old as before."""
+        unlinked, and overwritten in place. A fresh file of 200 MB took 0.05-0.6 s to
+        write into the page cache here, a rewrite 0.02 s: commit time a pull waits for.
+        Costs one more file per fragment on disk. Where the file system cannot exchange,
+        the new file replaces the old as before."""
         tmp = path.with_suffix(path.suffix + ".tmp")
-        # No O_TRUNC: truncating frees the blocks the rewrite is to reuse.
-        with os.fdopen(os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as out:
+        with self._reusable(tmp) as out:
             for part in parts:
                 out.write(part)
             out.truncate()
@@ -454,13 +472,29 @@ class StateDir:
             os.replace(tmp, path)
         self._sync_dir(path.parent)
 
+    @staticmethod
+    def _reusable(tmp: Path) -> BinaryIO:
+        """`tmp` opened for a rewrite in place (no O_TRUNC: truncating frees the blocks
+        the rewrite is to reuse), made anew if it is not a plain file of its own: a hard
+        link (an operator's `cp -al` backup of the directory) would be overwritten too."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o644)
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+            os.close(fd)
+            os.unlink(tmp)
+            fd = os.open(tmp, flags | os.O_EXCL, 0o644)
+        return os.fdopen(fd, "r+b")
+
     def _exchange(self, a: Path, b: Path) -> bool:
         """Swap two paths atomically; False (and never again) where unsupported."""
         if _renameat2 is not None and _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD,
                                                  os.fsencode(b), _RENAME_EXCHANGE) == 0:
             return True
         error = ctypes.get_errno() if _renameat2 is not None else errno.ENOSYS
-        if error not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        # EPERM: a seccomp filter that refuses the call; os.replace names a real one.
+        if error not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV,
+                         errno.EPERM):
             raise OSError(error, os.strerror(error), str(a), None, str(b))
         self._exchanges = False
         return False
@@ -552,16 +586,17 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
                          f"reads {' and '.join(repr(m) for m in _FORMATS)})")
     prefix, checksum = _FORMATS[magic]
     offset = len(magic)
-    header_len, expected = prefix.unpack_from(blob, offset)
+    header_len, digest = prefix.unpack_from(blob, offset)
     offset += prefix.size
-    if checksum(memoryview(blob)[offset:]) != expected:
+    if checksum(memoryview(blob)[offset:]) != digest:
         raise ValueError("checksum mismatch; the file is truncated or corrupt")
     header = json.loads(blob[offset:offset + header_len])
     offset += header_len
     numel = int(header["numel"])
-    zero_momentum = header.get("momentum")
-    if zero_momentum not in (None, _ZERO):
-        raise ValueError(f"momentum is {zero_momentum!r}; this version reads {_ZERO!r} or none")
+    momentum = header.get("momentum")
+    if momentum not in (None, _ZERO):
+        raise ValueError(f"momentum is {momentum!r}; this version reads {_ZERO!r} or none")
+    zero_momentum = momentum == _ZERO
     expected = (4 if zero_momentum else 8) * numel
     payload = memoryview(blob)[offset:]
     if len(payload) != expected:

@@ -7,8 +7,12 @@ plausible record, nor crash the start-up with an unrelated exception.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -195,6 +199,61 @@ def test_a_torn_spare_never_touches_the_committed_version(state: StateDir) -> No
     assert_same(StateDir(state.root).load_fragment(0), after)
 
 
+def test_a_hard_linked_spare_is_made_anew_and_its_other_name_kept(state: StateDir) -> None:
+    first = record(fragment=0, version=1, seed=1)
+    state.save_fragment(first)
+    state.save_fragment(record(fragment=0, version=2, seed=2))
+    # An operator's hard-link backup (`cp -al`) of the directory names the spare too.
+    backup = state.root.parent / "backup.bin"
+    os.link(state.root / "fragments" / "0.bin.tmp", backup)
+    newest = record(fragment=0, version=3, seed=3)
+    state.save_fragment(newest)
+    assert_same(state.load_fragment(0), newest)
+    copy = StateDir(state.root.parent / "copy")
+    copy.fragment_path(0).write_bytes(backup.read_bytes())
+    assert_same(copy.load_fragment(0), first)
+
+
+@pytest.mark.parametrize("operation", ["save", "load"])
+def test_a_fragments_reads_and_writes_wait_for_each_other(state: StateDir,
+                                                         operation: str) -> None:
+    # The file a reader opens becomes the next commit's temporary file, and a commit and
+    # a replicated version of one fragment can overlap in a failover: one at a time.
+    state.save_fragment(record(fragment=0, version=1, seed=1))
+    newer = record(fragment=0, version=2, seed=2)
+    other = threading.Thread(target=lambda: (state.save_fragment(newer) if operation == "save"
+                                             else state.load_fragment(0)))
+    with state._fragment_lock(0):  # a read or a write of fragment 0 under way
+        other.start()
+        other.join(timeout=0.2)
+        assert other.is_alive()
+        state.save_fragment(record(fragment=1, version=1, seed=3))  # other fragments go on
+    other.join(timeout=30)
+    assert not other.is_alive()
+    assert state.load_fragment(0).version == (2 if operation == "save" else 1)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("error", "replaced"), [(errno.EPERM, True), (errno.EINVAL, True),
+                                                  (errno.EIO, False)])
+def test_an_exchange_the_system_refuses_falls_back_and_any_other_error_is_raised(
+        state: StateDir, monkeypatch: pytest.MonkeyPatch, error: int, replaced: bool) -> None:
+    def refused(*_: object) -> int:
+        ctypes.set_errno(error)
+        return -1
+
+    state.save_fragment(record(fragment=0, version=1, seed=1))
+    monkeypatch.setattr(durability, "_renameat2", refused)
+    new = record(fragment=0, version=2, seed=2)
+    if replaced:
+        state.save_fragment(new)
+        assert_same(state.load_fragment(0), new)
+        assert not (state.root / "fragments" / "0.bin.tmp").exists()
+    else:
+        with pytest.raises(OSError, match=os.strerror(error)):
+            state.save_fragment(new)
+        assert state.load_fragment(0) is not None
+
+
 def test_without_an_atomic_exchange_the_new_version_replaces_the_old(
         state: StateDir, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(durability, "_renameat2", None)
@@ -297,7 +356,7 @@ def test_trailing_bytes_raise_state_error(plain: StateDir) -> None:
         plain.load_fragment(0)
 
 
-@pytest.mark.parametrize("magic", [b"FTSYNCF3", b"\0" * 8, b"ftsyncf1"])
+@pytest.mark.parametrize("magic", [b"FTSYNCF4", b"\0" * 8, b"ftsyncf1"])
 def test_bad_magic_raises_state_error(plain: StateDir, magic: bytes) -> None:
     path, blob = saved_blob(plain)
     path.write_bytes(magic + blob[MAGIC_LEN:])
