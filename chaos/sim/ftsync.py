@@ -191,6 +191,9 @@ class FtsyncRun:
         # Every policy call is preceded by `_refresh`, so a beat is due only when the last
         # is nearly a timeout old; the margin keeps float error away from the boundary.
         # (Half the timeout beat 1.9M times in a 2.4M-chip month: 14% of its CPU more.)
+        # The policy samples step times from beats (grace, automatic H): 9 s apart here
+        # at the default timeout where a learner beats each second, which its EWMA of
+        # seconds over steps measures the same for a steady pace.
         self.hb_period = s.policy.heartbeat_timeout_s * 0.9
         # Share of a core each busy learner process gets (host.cores > 0 only).
         self.speed = 1.0
@@ -325,6 +328,8 @@ class FtsyncRun:
         self._after(t, g, self.s.failures.catchup_s, self._begin)
 
     def _begin(self, t: float, g: _Group) -> None:
+        # A learner starts beating once caught up, as `FragmentSync` starts its heartbeats.
+        self._heartbeat(t, g)
         steps = self.s.training.steps
         g.end_step = max(steps - g.slot_done, 1) if steps else -1
         if self.ended:
