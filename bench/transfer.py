@@ -75,8 +75,9 @@ LAYOUT_HASH = "bench-layout"
 FP32 = codec_named("fp32")
 CODEC_NAMES = ("fp32", "bf16", "int8", "e3m0")
 PULL_WAIT_MS = 120_000
-# The daemon's default outer optimizer, for the check that the first merged version is
-# what it makes of one contribution (read from the config, not copied: a copy went stale).
+# The outer optimizer of the daemon this benchmark starts (at the config's defaults; one
+# learner at staleness 0 steps unscaled), for the check that the first merged version is
+# what it makes of one contribution: read from the config, not copied (a copy went stale).
 OUTER = OuterConfig()
 
 Floats = NDArray[np.float32]
@@ -559,7 +560,7 @@ async def daemon_transfer(address: str, sizes: list[int], theta: Floats, delta: 
                     step = np.float32(OUTER.lr * ((1 + OUTER.momentum) if OUTER.nesterov else 1))
                     expected = thetas[0][:4096] - step * deltas[0][:4096]
                     if not np.allclose(outs[0][:4096], expected, rtol=1e-5, atol=1e-6):
-                        raise RuntimeError("version 1 is not one Nesterov step of the "
+                        raise RuntimeError("version 1 is not one outer step of the "
                                            "pushed outer gradient")
                 version += 1
                 runs[result["mode"]].append(result)
