@@ -296,7 +296,7 @@ class StateDir:
             digest.update(part)
         parts: list[bytes | memoryview] = [
             _MAGIC, _PREFIX.pack(len(header), digest.intdigest()), header, *payload]
-        self._recycling_write(self.fragment_path(record.fragment), parts)
+        self._atomic_write(self.fragment_path(record.fragment), parts, recycle=True)
         self._append_manifest(record)
         return sum(len(p) for p in parts)
 
@@ -442,33 +442,25 @@ class StateDir:
         with self._fragment_locks_lock:
             return self._fragment_locks.setdefault(fragment, threading.Lock())
 
-    def _atomic_write(self, path: Path, parts: list[bytes | memoryview] | list[bytes]) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as out:
-            for part in parts:
-                out.write(part)
-            out.flush()
-            if self.fsync:
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
-        self._sync_dir(path.parent)
+    def _atomic_write(self, path: Path, parts: list[bytes | memoryview] | list[bytes],
+                      recycle: bool = False) -> None:
+        """Write `parts` to a temporary file, fsync it, put it in place.
 
-    def _recycling_write(self, path: Path, parts: list[bytes | memoryview]) -> None:
-        """`_atomic_write` into the pages of the version before: its file is kept as the
-        next temporary one, exchanged with the new version's (`renameat2`) instead of
-        unlinked, and overwritten in place. A fresh file of 200 MB took 0.05-0.6 s to
-        write into the page cache here, a rewrite 0.02 s: commit time a pull waits for.
-        Costs one more file per fragment on disk. Where the file system cannot exchange,
-        the new file replaces the old as before."""
+        `recycle` (fragment files) writes into the pages of the version before: its
+        file is kept as the next temporary one, exchanged with the new version's
+        (`renameat2`) instead of unlinked, and overwritten in place. A fresh file of
+        200 MB took 0.05-0.6 s to write into the page cache here, a rewrite 0.02 s:
+        commit time a pull waits for. Costs one more file per fragment on disk. Where
+        the file system cannot exchange, the new file replaces the old."""
         tmp = path.with_suffix(path.suffix + ".tmp")
-        with self._reusable(tmp) as out:
+        with self._reusable(tmp) if recycle else open(tmp, "wb") as out:
             for part in parts:
                 out.write(part)
             out.truncate()
             out.flush()
             if self.fsync:
                 os.fsync(out.fileno())
-        if not (self._exchanges and path.exists() and self._exchange(tmp, path)):
+        if not (recycle and self._exchanges and path.exists() and self._exchange(tmp, path)):
             os.replace(tmp, path)
         self._sync_dir(path.parent)
 
