@@ -139,6 +139,11 @@ class FragmentRecord:
     # Random, nonzero (`new_commit_id`); 0 in records written before there were ids.
     commit_id: int = 0
 
+    def momentum_is_zero(self) -> bool:
+        """All zero bits, as without outer momentum (the default): what the durable
+        file and a replica's stream then leave out."""
+        return not self.momentum.view(np.uint32).any()
+
 
 def new_commit_id() -> int:
     """A version's id, unique to its commit: a version number committed again after
@@ -279,12 +284,11 @@ class StateDir:
 
     def _save_fragment(self, record: FragmentRecord) -> int:
         params = np.ascontiguousarray(record.params, dtype="<f4")
-        momentum = np.ascontiguousarray(record.momentum, dtype="<f4")
         # Without outer momentum (the default) the buffer is all zero bits: left out,
         # which halves what a commit hashes and writes.
         payload = [params.data.cast("B")]
-        if momentum.view(np.uint32).any():
-            payload.append(momentum.data.cast("B"))
+        if not record.momentum_is_zero():
+            payload.append(np.ascontiguousarray(record.momentum, dtype="<f4").data.cast("B"))
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "numel": params.size,
             "watermarks": record.watermarks, "manifest": record.manifest,

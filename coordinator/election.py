@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -130,7 +129,7 @@ class Election:
         sent = self.clock()
         self.lease = await self.etcd.grant(self.ttl_s)
         self.renewed_at = sent
-        value = json.dumps({"replica": self.replica_id, "address": self.address}).encode()
+        value = discovery.ReplicaRecord(self.replica_id, self.address).encode()
         await self.etcd.put(discovery.replicas_prefix(self.run) + self.replica_id.encode(),
                             value, self.lease)
         self._keepalive = asyncio.create_task(self._renew(), name="lease-keepalive")

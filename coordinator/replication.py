@@ -3,7 +3,9 @@
 The leader keeps one link per standby registered in etcd. A new link first
 sends the standby every fragment's durable record (catch-up), then every
 version the leader commits, in order, each as one `Replicate` call: a
-header, then the raw fp32 parameters followed by the momentum. The bytes
+header, then the raw fp32 parameters followed by the momentum, which is left
+out when it is all zero (no outer momentum, the default) and the standby's
+registration says it reads such a stream (`zero_momentum`). The bytes
 move on the standby's bulk port as a push's do (`protos.bulk`): the standby
 is the call's server, so, as the daemon does for a push, it issues the
 ticket and listens, and the leader dials the host it already reaches for
@@ -82,31 +84,42 @@ _CHANNEL_OPTIONS = [
 
 # -- the wire format, both sides -------------------------------------------------------
 
-def replica_messages(epoch: int, leader_id: str, run: RunRecord,
-                     record: FragmentRecord) -> Iterator[pb.ReplicaMessage]:
-    """One version as a `Replicate` stream: header, parameters, momentum."""
-    yield replica_header(epoch, leader_id, run, record)
-    yield from replica_chunks(record)
+def replica_messages(epoch: int, leader_id: str, run: RunRecord, record: FragmentRecord,
+                     zero_momentum: bool = False) -> Iterator[pb.ReplicaMessage]:
+    """One version as a `Replicate` stream: header, parameters, momentum (none with
+    `zero_momentum`)."""
+    header = replica_header(epoch, leader_id, run, record, zero_momentum)
+    yield header
+    yield from replica_chunks(replica_vectors(header, record))
 
 
-def replica_header(epoch: int, leader_id: str, run: RunRecord,
-                   record: FragmentRecord) -> pb.ReplicaMessage:
+def replica_header(epoch: int, leader_id: str, run: RunRecord, record: FragmentRecord,
+                   zero_momentum: bool = False) -> pb.ReplicaMessage:
+    """`zero_momentum`: the record's momentum is all zero and left out of the stream."""
     return pb.ReplicaMessage(header=pb.ReplicaHeader(
         epoch=epoch, leader_id=leader_id, run_id=run.run_id, layout_hash=run.layout_hash,
         numels=run.numels, fragment=record.fragment, version=record.version,
         numel=record.params.size, watermarks=record.watermarks,
         manifest_json=json.dumps(record.manifest), commit_epoch=record.epoch,
-        commit_id=record.commit_id))
+        commit_id=record.commit_id, zero_momentum=zero_momentum))
 
 
-def replica_chunks(record: FragmentRecord) -> Iterator[pb.ReplicaMessage]:
-    """The parameters then the momentum as the chunks of one vector."""
-    numel = record.params.size
-    yield from iter_chunk_messages(record.params, _FP32, pb.ReplicaMessage, _CHUNK_BYTES)
-    for message in iter_chunk_messages(record.momentum, _FP32, pb.ReplicaMessage,
-                                       _CHUNK_BYTES):
-        message.chunk.offset += numel
-        yield message
+def replica_vectors(header: pb.ReplicaMessage,
+                    record: FragmentRecord) -> tuple[np.ndarray, ...]:
+    """What the stream `header` opens carries: the parameters, then the momentum."""
+    if header.header.zero_momentum:
+        return (record.params,)
+    return record.params, record.momentum
+
+
+def replica_chunks(vectors: tuple[np.ndarray, ...]) -> Iterator[pb.ReplicaMessage]:
+    """`vectors` as the chunks of one vector, one after the other."""
+    start = 0
+    for vector in vectors:
+        for message in iter_chunk_messages(vector, _FP32, pb.ReplicaMessage, _CHUNK_BYTES):
+            message.chunk.offset += start
+            yield message
+        start += vector.size
 
 
 async def send_replica(stub: pb_grpc.ReplicationStub, header: pb.ReplicaMessage,
@@ -117,15 +130,15 @@ async def send_replica(stub: pb_grpc.ReplicationStub, header: pb.ReplicaMessage,
     its bulk port through `pool` (None: as chunks on the call, as they go too when
     the port cannot be reached, which `unreachable` is told)."""
     header.header.bulk = pool is not None
+    vectors = replica_vectors(header, record)
 
     def on_bulk(call: Any) -> Awaitable[str]:
         assert pool is not None
-        return push_announced(pool, call, bulk_host(address), (record.params, record.momentum),
-                              _FP32, unreachable)
+        return push_announced(pool, call, bulk_host(address), vectors, _FP32, unreachable)
 
     call = await open_stream(
         lambda messages: stub.Replicate(messages, timeout=60, metadata=metadata),
-        header, lambda: replica_chunks(record), None if pool is None else on_bulk)
+        header, lambda: replica_chunks(vectors), None if pool is None else on_bulk)
     ack: pb.ReplicaAck = await call
     return ack
 
@@ -156,7 +169,7 @@ async def read_replica(
         raise Rejected(Reason.BAD_SHAPE, f"fragment {header.fragment} of {numel} elements "
                                          f"does not fit the run's layout")
     check_room(sum(int(n) for n in header.numels))
-    values = np.empty(2 * numel, dtype=np.float32)
+    values = np.empty(numel if header.zero_momentum else 2 * numel, dtype=np.float32)
     subject = f"the replica of fragment {header.fragment}"
     reader = ChunkReader(values.size, subject)
 
@@ -183,7 +196,8 @@ async def read_replica(
     run = RunRecord(header.run_id, header.layout_hash, tuple(int(n) for n in header.numels))
     record = FragmentRecord(
         fragment=int(header.fragment), version=int(header.version),
-        params=values[:numel], momentum=values[numel:],
+        params=values[:numel],
+        momentum=np.zeros(numel, np.float32) if header.zero_momentum else values[numel:],
         watermarks={k: int(v) for k, v in header.watermarks.items()},
         manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch),
         commit_id=int(header.commit_id))
@@ -214,6 +228,8 @@ class _Link:
 
     replica_id: str
     address: str
+    # The standby reads a stream with the momentum left out (`ReplicaRecord`).
+    zero_momentum: bool
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     in_sync: bool = False
     task: asyncio.Task[None] | None = None
@@ -286,10 +302,13 @@ class Replicator:
         if self.mode == "none" or not self.links:
             return
         # The next commit of this fragment updates the momentum in place, and a
-        # laggard may still be sending this version then.
-        record = FragmentRecord(record.fragment, record.version, record.params,
-                                record.momentum.copy(), dict(record.watermarks),
-                                record.manifest, record.epoch, record.commit_id)
+        # laggard may still be sending this version then (an all-zero one is not
+        # copied: `np.zeros` maps zero pages, touched only if it is sent).
+        momentum = (np.zeros(record.momentum.shape, np.float32) if record.momentum_is_zero()
+                    else record.momentum.copy())
+        record = FragmentRecord(record.fragment, record.version, record.params, momentum,
+                                dict(record.watermarks), record.manifest, record.epoch,
+                                record.commit_id)
         waits = {link.replica_id: (link, link.enqueue(record), link.in_sync)
                  for link in list(self.links.values())}
         if self.mode == "async":
@@ -335,22 +354,24 @@ class Replicator:
             except EtcdError:
                 await asyncio.sleep(_RECONNECT_S)
                 continue
-            registered: dict[str, str] = {}
+            registered: dict[str, discovery.ReplicaRecord] = {}
             for entry in entries:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    data = json.loads(entry.value)
-                    registered[str(data["replica"])] = str(data["address"])
+                standby = discovery.ReplicaRecord.decode(entry.value)
+                if standby is not None:
+                    registered[standby.replica] = standby
             registered.pop(self.replica_id, None)
             for replica_id, link in list(self.links.items()):
-                if registered.get(replica_id) != link.address:
+                known = registered.get(replica_id)
+                if known is None or (known.address, known.zero_momentum) != (
+                        link.address, link.zero_momentum):
                     await self._drop(link)
-            for replica_id, address in registered.items():
+            for replica_id, standby in registered.items():
                 old = self.links.get(replica_id)
                 if old is not None and old.task is not None and not old.task.done():
                     continue
                 if old is not None:
                     await self._drop(old)
-                link = _Link(replica_id, address)
+                link = _Link(replica_id, standby.address, standby.zero_momentum)
                 self.links[replica_id] = link
                 link.task = asyncio.create_task(self._run_link(link),
                                                 name=f"replicate-{replica_id}")
@@ -415,7 +436,8 @@ class Replicator:
         run = self.engine.run
         if run is None:
             raise ConnectionError("no run to replicate")
-        header = replica_header(self.epoch, self.replica_id, run, record)
+        header = replica_header(self.epoch, self.replica_id, run, record,
+                                link.zero_momentum and record.momentum_is_zero())
         pool = None if link.address in self._no_bulk else self._bulk
         try:
             await send_replica(stub, header, record, link.address, pool,

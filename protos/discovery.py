@@ -5,7 +5,8 @@ the replicator); learners given `etcd://HOST:PORT[,HOST:PORT]/RUN` read the
 leader key to find the replica that leads. One prefix per run:
 
     /ftsync/<run>/leader          {"replica", "address", "epoch"}, under the leader's lease
-    /ftsync/<run>/replicas/<id>   {"replica", "address"}, under each replica's lease
+    /ftsync/<run>/replicas/<id>   {"replica", "address", "zero_momentum"}, under each
+                                  replica's lease
     /ftsync/<run>/insync          {"epoch", "replicas"}: who may take over (sync replication)
     /ftsync/<run>/config          {"run_id", "layout_hash", "numels"}: the run's layout
     /ftsync/<run>/learners/<id>   {"lease"}, under the learner's membership lease
@@ -61,6 +62,32 @@ class LeaderRecord:
             return cls(str(data["replica"]), str(data["address"]), create_revision)
         except (ValueError, KeyError, TypeError):
             return cls("", "", create_revision)
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """The value of a replica's key: who it is, where, and what replication streams
+    it reads. `zero_momentum`: a version with all-zero momentum may come without it
+    (`ReplicaHeader.zero_momentum`); a replica of a build before that writes no such
+    field, and the leader keeps sending it the whole record."""
+
+    replica: str
+    address: str
+    zero_momentum: bool = True
+
+    def encode(self) -> bytes:
+        return json.dumps({"replica": self.replica, "address": self.address,
+                           "zero_momentum": self.zero_momentum}).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> ReplicaRecord | None:
+        """None for a value that is not a replica's record."""
+        try:
+            data = json.loads(value)
+            return cls(str(data["replica"]), str(data["address"]),
+                       data.get("zero_momentum") is True)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
 
 
 def parse_etcd_url(url: str) -> tuple[list[str], str]:

@@ -352,7 +352,7 @@ class DrainResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., rounds_committed: _Optional[int] = ..., rounds_left_open: _Optional[_Iterable[int]] = ..., leader: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch", "commit_id", "bulk")
+    __slots__ = ("epoch", "leader_id", "run_id", "layout_hash", "numels", "fragment", "version", "numel", "watermarks", "manifest_json", "commit_epoch", "commit_id", "bulk", "zero_momentum")
     class WatermarksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class ReplicaHeader(_message.Message):
     COMMIT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    ZERO_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     leader_id: str
     run_id: str
@@ -386,7 +387,8 @@ class ReplicaHeader(_message.Message):
     commit_epoch: int
     commit_id: int
     bulk: bool
-    def __init__(self, epoch: _Optional[int] = ..., leader_id: _Optional[str] = ..., run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., numels: _Optional[_Iterable[int]] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., watermarks: _Optional[_Mapping[str, int]] = ..., manifest_json: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., bulk: bool = ...) -> None: ...
+    zero_momentum: bool
+    def __init__(self, epoch: _Optional[int] = ..., leader_id: _Optional[str] = ..., run_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., numels: _Optional[_Iterable[int]] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., watermarks: _Optional[_Mapping[str, int]] = ..., manifest_json: _Optional[str] = ..., commit_epoch: _Optional[int] = ..., commit_id: _Optional[int] = ..., bulk: bool = ..., zero_momentum: bool = ...) -> None: ...
 
 class ReplicaMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -13,9 +13,10 @@ the replicas' event logs and metrics, never on the clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,12 +25,14 @@ import pytest
 
 from chaos.etcd import EtcdCluster
 from chaos.failover import ReplicaSet
+from chaos.local import CoordinatorProcess
 from chaos.proxy import ThreadedProxy
 from coordinator.durability import FragmentRecord, RunRecord, StateDir
 from coordinator.replication import replica_header
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata
+from protos.bulk import send_frames
 from protos.tls import REPLICA_NAME
 from tests.daemon import wait_until
 from tests.integration.test_bad_input import free_port, metrics_text
@@ -138,16 +141,12 @@ def test_a_standby_replicated_over_its_bulk_port_holds_the_leaders_state(
     assert not [e for e in replicas.set.events(0) if e["kind"] == "bulk_fallback"]
 
 
-@pytest.mark.timeout(120)
-def test_a_replica_whose_frame_fails_its_checksum_is_refused_and_nothing_is_written(
-        replicas: Replicas) -> None:
-    _, epoch = replicas.set.leader()
-    standby = replicas.set.replicas[1]
-    before = records(standby.state_dir)
-    numel = NUMELS[0]
-    values = np.random.default_rng(0).standard_normal(2 * numel).astype(np.float32)
-    record = FragmentRecord(0, 10_000, values[:numel], values[numel:], {}, [], epoch)
-    header = replica_header(epoch, "r0", RunRecord("x", "layout-ha", tuple(NUMELS)), record)
+@contextlib.contextmanager
+def bulk_replicate(standby: CoordinatorProcess, header: pb.ReplicaMessage
+                   ) -> Iterator[tuple[socket.socket, Callable[[], pb.ReplicaAck]]]:
+    """A `Replicate` call to `standby` asking for its bulk port, the connection opened
+    there with the call's ticket, taken (the frames are the caller's to send), and the
+    call's result, which ends the stream as a leader does once its frames are sent."""
     header.header.bulk = True
     sent = threading.Event()
 
@@ -158,16 +157,38 @@ def test_a_replica_whose_frame_fails_its_checksum_is_refused_and_nothing_is_writ
     with grpc.insecure_channel(standby.address) as channel:
         call = pb_grpc.ReplicationStub(channel).Replicate.future(
             messages(), timeout=TIMEOUT, metadata=(("authorization", f"Bearer {REPLICA_TOKEN}"),))
-        initial = dict(call.initial_metadata())
-        ticket = bytes.fromhex(initial[metadata.BULK_TICKET])
-        with socket.create_connection(("127.0.0.1", int(initial[metadata.BULK_PORT])),
-                                      timeout=TIMEOUT) as conn:
-            conn.sendall(hello(ticket, REPLICA_NAME))
-            assert conn.recv(1) == b"\x00"  # the ticket taken
-            conn.sendall(frame(values, 0, digest=12345))
-            with pytest.raises(grpc.RpcError) as refused:
-                call.result()
-        sent.set()
+        try:
+            initial = dict(call.initial_metadata())
+            ticket = bytes.fromhex(initial[metadata.BULK_TICKET])
+            with socket.create_connection(("127.0.0.1", int(initial[metadata.BULK_PORT])),
+                                          timeout=TIMEOUT) as conn:
+                conn.sendall(hello(ticket, REPLICA_NAME))
+                assert conn.recv(1) == b"\x00"  # the ticket taken
+
+                def result() -> pb.ReplicaAck:
+                    sent.set()
+                    ack: pb.ReplicaAck = call.result()
+                    return ack
+
+                yield conn, result
+        finally:
+            sent.set()
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_whose_frame_fails_its_checksum_is_refused_and_nothing_is_written(
+        replicas: Replicas) -> None:
+    _, epoch = replicas.set.leader()
+    standby = replicas.set.replicas[1]
+    before = records(standby.state_dir)
+    numel = NUMELS[0]
+    values = np.random.default_rng(0).standard_normal(2 * numel).astype(np.float32)
+    record = FragmentRecord(0, 10_000, values[:numel], values[numel:], {}, [], epoch)
+    header = replica_header(epoch, "r0", RunRecord("x", "layout-ha", tuple(NUMELS)), record)
+    with bulk_replicate(standby, header) as (conn, result):
+        conn.sendall(frame(values, 0, digest=12345))
+        with pytest.raises(grpc.RpcError) as refused:
+            result()
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS
     assert metadata.reason(refused.value) == "corrupt"
     assert "frame at offset 0 of the replica of fragment 0 fails its checksum" in (
@@ -177,6 +198,25 @@ def test_a_replica_whose_frame_fails_its_checksum_is_refused_and_nothing_is_writ
     assert [r and r.version for r in after] == [r and r.version for r in before]
     assert not [e for e in replicas.set.events(1)
                 if e["kind"] == "replicated" and e["version"] == 10_000]
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_without_its_zero_momentum_is_written_with_it(replicas: Replicas) -> None:
+    _, epoch = replicas.set.leader()
+    standby = replicas.set.replicas[1]
+    numel = NUMELS[0]
+    params = np.random.default_rng(1).standard_normal(numel).astype(np.float32)
+    record = FragmentRecord(0, 10_000, params, np.zeros(numel, np.float32), {}, [], epoch)
+    header = replica_header(epoch, "r0", RunRecord("x", "layout-ha", tuple(NUMELS)), record,
+                            zero_momentum=True)
+    with bulk_replicate(standby, header) as (conn, result):
+        assert send_frames(conn, params) == 4 * numel  # the parameters only
+        ack = result()
+    assert (ack.fragment, ack.version) == (0, 10_000)
+    written = records(standby.state_dir)[0]
+    assert written is not None and written.version == 10_000
+    np.testing.assert_array_equal(written.params, params)
+    assert written.momentum.shape == (numel,) and written.momentum_is_zero()
 
 
 @pytest.mark.timeout(120)

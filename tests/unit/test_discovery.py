@@ -10,7 +10,7 @@ import pytest
 from coordinator.etcd import channel_targets
 from learner.client import Refused, SynchronizerClient
 from learner.routing import WrongReplica
-from protos.discovery import LeaderRecord, leader_key, parse_etcd_url
+from protos.discovery import LeaderRecord, ReplicaRecord, leader_key, parse_etcd_url
 from protos.metadata import LEADER
 
 
@@ -26,6 +26,18 @@ def test_leader_record_takes_its_epoch_from_the_key() -> None:
     record = LeaderRecord("r1", "10.0.0.1:50051", 0)
     assert LeaderRecord.decode(record.encode(), 42) == LeaderRecord("r1", "10.0.0.1:50051", 42)
     assert LeaderRecord.decode(b"garbage", 7) == LeaderRecord("", "", 7)
+
+
+def test_a_replica_record_says_whether_it_reads_streams_without_momentum() -> None:
+    record = ReplicaRecord("r2", "10.0.0.2:50051")
+    assert ReplicaRecord.decode(record.encode()) == record and record.zero_momentum
+    # A replica of an older build registers no such field: it gets the whole record.
+    older = b'{"replica": "r3", "address": "10.0.0.3:50051"}'
+    assert ReplicaRecord.decode(older) == ReplicaRecord("r3", "10.0.0.3:50051", False)
+    for garbage in (b"garbage", b"[1]", b'{"replica": "r4"}', b'{"replica": "r4", '
+                    b'"address": "a:1", "zero_momentum": "yes"}'):
+        decoded = ReplicaRecord.decode(garbage)
+        assert decoded is None or not decoded.zero_momentum
 
 
 def test_etcd_targets() -> None:
