@@ -63,7 +63,7 @@ import stat
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -143,6 +143,18 @@ class FragmentRecord:
         """All zero bits, as without outer momentum (the default): what the durable
         file and a replica's stream then leave out."""
         return not self.momentum.view(np.uint32).any()
+
+
+@dataclass(frozen=True)
+class Regression:
+    """A fragment whose durable file is older than the manifest log's last record
+    of it (`StateDir.restore_manifests`): versions after `version` were lost."""
+
+    fragment: int
+    # The file's version; -1 when the fragment has no file.
+    version: int
+    logged_version: int
+    logged_epoch: int
 
 
 def new_commit_id() -> int:
@@ -322,19 +334,33 @@ class StateDir:
         """Every manifest the directory still holds, oldest first (`read_manifests`)."""
         return read_manifests(self.root)
 
-    def restore_manifests(self, records: Iterable[FragmentRecord]) -> None:
-        """Append the manifest of every record the log lacks: a fragment file is
-        renamed into place before its manifest line is appended, so a crash between
-        the two leaves the line missing, and the file still holds it. The log lacks
-        it when the last record logged for its fragment is another version or epoch.
-        Reads the active segment's snapshot and its end only; a last line torn by
-        the crash (or a full disk) is cut off first, and its record restores it."""
+    def restore_manifests(self, records: Sequence[FragmentRecord | None]) -> list[Regression]:
+        """Append the manifest of every record the log lacks, given each fragment's
+        file (None: none): a fragment file is renamed into place before its manifest
+        line is appended, so a crash between the two leaves the line missing, and
+        the file still holds it. The log lacks it when the last record logged for
+        its fragment is another version or epoch. Reads the active segment's
+        snapshot and its end only; a last line torn by the crash (or a full disk) is
+        cut off first, and its record restores it.
+
+        Returns the fragments whose file is older than what the log last recorded
+        (by epoch, then version), or missing: with `fsync = false` a power loss can
+        keep the log's append and lose the file's rename. The file stands (its
+        record is logged again, so the log says where the fragment resumed), and
+        the versions after it are lost; the caller says so."""
+        regressions = []
         with self._log_lock:
-            for record in records:
+            for fragment, record in enumerate(records):
                 # Asked anew each time: an append may have rolled the log.
                 log = self._opened_log()
-                if log.latest(record.fragment) != (record.version, record.epoch):
+                logged = log.latest(fragment)
+                if logged is not None and (record is None or (record.epoch, record.version)
+                                           < (logged[1], logged[0])):
+                    regressions.append(Regression(
+                        fragment, -1 if record is None else record.version, *logged))
+                if record is not None and logged != (record.version, record.epoch):
                     self._append(record)
+        return regressions
 
     # -- internals -------------------------------------------------------------
 

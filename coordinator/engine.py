@@ -772,7 +772,12 @@ class Engine:
         self.run = run
         self.store = FragmentStore(self.state, self.config.outer, self.config.policy.merge,
                                    run.numels, self.config.limits.staging_bytes)
-        records = self.store.resume()
+        records, regressions = self.store.resume()
+        for lost in regressions:
+            # What a power loss with fsync = false can leave: said, not hidden.
+            self.events.emit("state_regressed", fragment=lost.fragment, version=lost.version,
+                             logged_version=lost.logged_version,
+                             logged_epoch=lost.logged_epoch)
         versions = {p: records[p].version if p in records else -1
                     for p in range(len(run.numels))}
         watermarks = {p: r.watermarks for p, r in records.items()}

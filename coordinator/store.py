@@ -36,7 +36,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from coordinator.config import OuterConfig
-from coordinator.durability import FragmentRecord, StateDir, StateError, new_commit_id
+from coordinator.durability import (
+    FragmentRecord,
+    Regression,
+    StateDir,
+    StateError,
+    new_commit_id,
+)
 from coordinator.merge import Accumulator, norm_sq, outer_step
 from coordinator.policy import MergeRule, RoundClose
 from protos import telemetry
@@ -186,8 +192,9 @@ class FragmentStore:
         self.staging = StagingPool(staging_bytes or 2 * largest)
         self.bytes_written = 0
 
-    def resume(self) -> dict[int, FragmentRecord]:
-        """Load every fragment's last durable version; returns what was found."""
+    def resume(self) -> tuple[dict[int, FragmentRecord], list[Regression]]:
+        """Load every fragment's last durable version; returns what was found, and
+        the fragments found older than the manifest log says they were."""
         found: dict[int, FragmentRecord] = {}
         for p, slot in enumerate(self.slots):
             record = self.state.load_fragment(p)
@@ -200,8 +207,8 @@ class FragmentStore:
             slot.published = Published(record.version, record.params, record.watermarks,
                                        time.monotonic(), record.commit_id)
             found[p] = record
-        self.state.restore_manifests(found.values())
-        return found
+        regressions = self.state.restore_manifests([found.get(p) for p in range(len(self.slots))])
+        return found, regressions
 
     def published(self, fragment: int) -> Published | None:
         return self.slots[fragment].published

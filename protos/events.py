@@ -162,6 +162,15 @@ class Resume(TypedDict):
     versions: Versions
 
 
+class StateRegressed(TypedDict):
+    """A fragment's file found older than the manifest log's last record of it
+    (`version` -1: no file); the versions after `version` are lost."""
+    fragment: int
+    version: int
+    logged_version: int
+    logged_epoch: int
+
+
 class Elected(TypedDict):
     replica: str
     epoch: int
@@ -509,6 +518,7 @@ SCHEMA: dict[tuple[Source, str], type] = {
     ("coordinator", "sync_every"): SyncEvery,
     ("coordinator", "leave"): Leave,
     ("coordinator", "resume"): Resume,
+    ("coordinator", "state_regressed"): StateRegressed,
     ("coordinator", "elected"): Elected,
     ("coordinator", "step_down"): StepDown,
     ("coordinator", "replicated"): Replicated,

@@ -21,7 +21,14 @@ import pytest
 import xxhash
 
 from coordinator import durability
-from coordinator.durability import FragmentRecord, RunRecord, StateDir, StateError, new_commit_id
+from coordinator.durability import (
+    FragmentRecord,
+    Regression,
+    RunRecord,
+    StateDir,
+    StateError,
+    new_commit_id,
+)
 
 MAGIC_LEN = 8
 LEN_FIELD = 8
@@ -292,11 +299,12 @@ def test_a_manifest_lost_between_rename_and_append_is_restored_from_the_file(
     log.write_text("".join(lines[:-1]))  # the crash came after the rename, before the append
     reopened = StateDir(state.root, fsync=state.fsync)
     loaded = [reopened.load_fragment(0), reopened.load_fragment(1)]
-    reopened.restore_manifests(r for r in loaded if r is not None)
+    # A file newer than the log is the crash between the two: nothing was lost.
+    assert reopened.restore_manifests(loaded) == []
     assert [(m["version"], m["manifest"]) for m in reopened.manifests() if m["fragment"] == 0] \
         == [(1, first.manifest), (2, second.manifest)]
     # Nothing is appended twice.
-    reopened.restore_manifests(r for r in loaded if r is not None)
+    assert reopened.restore_manifests(loaded) == []
     assert len(reopened.manifests()) == 3
 
 
@@ -442,6 +450,30 @@ def test_a_checksummed_header_that_misstates_its_momentum_raises_state_error(
         b"FTSYNCF2" + struct.pack("<QQ", len(header), digest) + header + payload)
     with pytest.raises(StateError, match=problem):
         plain.load_fragment(0)
+
+
+def test_a_file_older_than_the_log_is_a_regression_said_once(state: StateDir) -> None:
+    """With fsync = false a power loss can keep the log's appends and lose the files'
+    renames: the older file stands, and restore says which versions it lost."""
+    state.save_fragment(record(fragment=0, version=1, numel=4))
+    kept = state.fragment_path(0).read_bytes()
+    for version in (2, 3):
+        state.save_fragment(record(fragment=0, version=version, numel=4))
+    state.save_fragment(record(fragment=1, version=1, numel=4))
+    state.fragment_path(0).write_bytes(kept)  # the renames of versions 2 and 3 were lost
+    state.fragment_path(1).unlink()  # and the first rename of fragment 1
+    reopened = StateDir(state.root, fsync=state.fsync)
+    loaded = [reopened.load_fragment(0), reopened.load_fragment(1)]
+    assert loaded[0] is not None and loaded[0].version == 1 and loaded[1] is None
+    assert reopened.restore_manifests(loaded) == [Regression(0, 1, 3, 0), Regression(1, -1, 1, 0)]
+    # The log now says fragment 0 resumed at version 1: said once, not at every start.
+    assert reopened.manifests()[-1]["version"] == 1
+    again = StateDir(state.root, fsync=state.fsync)
+    assert again.restore_manifests([again.load_fragment(0), None]) == [Regression(1, -1, 1, 0)]
+    # A newer epoch's record at an older version is a new leader's resynchronisation.
+    resynced = record(fragment=0, version=1, numel=4)
+    resynced.epoch = 7
+    assert again.restore_manifests([resynced, None])[:1] == [Regression(1, -1, 1, 0)]
 
 
 def test_a_torn_last_manifest_line_is_cut_and_restored(state: StateDir) -> None:

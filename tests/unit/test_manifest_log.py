@@ -47,8 +47,7 @@ def entry(r: FragmentRecord) -> dict[str, Any]:
 def resume(root: Path, **kwargs: Any) -> StateDir:
     """What the daemon does at start: load every fragment file, restore the log."""
     state = StateDir(root, fsync=False, **kwargs)
-    state.restore_manifests(r for r in map(state.load_fragment, range(FRAGMENTS))
-                            if r is not None)
+    state.restore_manifests([state.load_fragment(p) for p in range(FRAGMENTS)])
     return state
 
 
