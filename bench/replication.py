@@ -9,6 +9,9 @@ path and the standby's write, not the disk) run against a one-member etcd from t
 comes once the version is durable there. Rounds alternate between the two
 transports; the best round of each counts. `ratio` is the bulk channel's throughput
 over the gRPC chunks' (what replication moved at before it took the bulk channel).
+A third series sends the versions of a run without outer momentum (the default) as a
+leader now does, on the bulk channel with the all-zero momentum left out;
+`zero_momentum_speedup` is the bulk round's time over that one's.
 
 Run from the repository root: `python -m bench.replication [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
@@ -54,30 +57,34 @@ async def rounds(address: str, epoch: int, numels: list[int], count: int) -> dic
     rng = np.random.default_rng(0)
     run = RunRecord("bench-replication", "bench-layout", tuple(numels))
     values = [rng.standard_normal(2 * n).astype(np.float32) for n in numels]
+    zeros = [np.zeros(n, np.float32) for n in numels]
     nbytes = sum(v.nbytes for v in values)
     pool = BulkPool(REPLICA_NAME)
     metadata = (("authorization", f"Bearer {TOKEN}"),)
-    best: dict[str, float] = {"grpc": float("inf"), "bulk": float("inf")}
+    best = dict.fromkeys(("grpc", "bulk", "bulk_zero_momentum"), float("inf"))
     version = 1_000_000  # above anything the real leader commits meanwhile (nothing)
     async with grpc.aio.insecure_channel(address, options=MESSAGE_SIZE_OPTIONS) as channel:
         stub = pb_grpc.ReplicationStub(channel)
         for index in range(count + 1):  # the first round of each warms up, untimed
-            for transport in ("grpc", "bulk"):
+            for transport in best:
                 version += 1
+                zero = transport == "bulk_zero_momentum"
                 started = time.perf_counter()
                 for p, vector in enumerate(values):
                     record = FragmentRecord(p, version, vector[:numels[p]],
-                                            vector[numels[p]:], {}, [], epoch)
-                    await send_replica(stub, replica_header(epoch, "bench", run, record),
-                                       record, address,
-                                       pool if transport == "bulk" else None,
+                                            zeros[p] if zero else vector[numels[p]:], {}, [],
+                                            epoch)
+                    header = replica_header(epoch, "bench", run, record, zero_momentum=zero)
+                    await send_replica(stub, header, record, address,
+                                       None if transport == "grpc" else pool,
                                        unreachable, metadata)
                 seconds = time.perf_counter() - started
                 if index:
                     best[transport] = min(best[transport], seconds)
-                    log(f"  {transport}: {nbytes / seconds / MB:.0f} MB/s")
+                    log(f"  {transport}: {seconds:.3f} s, {nbytes / seconds / MB:.0f} MB/s "
+                        f"of whole records")
     pool.close()
-    return {transport: nbytes / seconds / MB for transport, seconds in best.items()}
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,15 +110,18 @@ def main(argv: list[str] | None = None) -> None:
             leader, epoch = replicas.leader()
             standby = replicas.replicas[1 - leader]
             log(f"standby {standby.address}, leader r{leader} at epoch {epoch}")
-            mb_s = asyncio.run(rounds(standby.address, epoch, numels, args.rounds))
+            seconds = asyncio.run(rounds(standby.address, epoch, numels, args.rounds))
         finally:
             replicas.stop()
             etcd.stop()
     load_after = os.getloadavg()
+    mb_s = {transport: 8 * args.params / s / MB for transport, s in seconds.items()}
     print(json.dumps({
         "name": "replication", "ratio": round(mb_s["bulk"] / mb_s["grpc"], 3),
         "target": 1.0, "unit": "bulk MB/s / gRPC-chunk MB/s",
         "bulk_mb_s": round(mb_s["bulk"]), "grpc_mb_s": round(mb_s["grpc"]),
+        "zero_momentum_speedup": round(seconds["bulk"] / seconds["bulk_zero_momentum"], 3),
+        "round_s": {transport: round(s, 3) for transport, s in seconds.items()},
         "params": args.params, "fragments": args.fragments, "rounds": args.rounds,
         "load_average": [round(load_before[0], 2), round(load_after[0], 2)],
     }), flush=True)
