@@ -527,7 +527,7 @@ class Engine:
             self._count_cut(header)
             raise
 
-    def _count_cut(self, header: pb.PushHeader | None, **why: object) -> None:
+    def _count_cut(self, header: pb.PushHeader | None, **why: Any) -> None:
         self.metrics.pushes_cut.add(1)
         if header is None:  # cut before its header arrived
             self.events.emit("push_cut", **why)
@@ -759,7 +759,8 @@ class Engine:
         self.metrics.grace.record(close.grace_s, attrs)
         self.metrics.sync_time.record(sync_s, attrs)
         fields: dict[str, Any] = {"epoch": epoch} if self.leadership.elected else {}
-        self.events.emit("commit", fragment=fragment, version=close.version, manifest=manifest,
+        self.events.emit("commit", t=published.published_t, fragment=fragment,
+                         version=close.version, manifest=manifest,
                          quorum_wait_s=close.quorum_at - close.opened_at, grace_s=close.grace_s,
                          sync_s=sync_s, why=close.why, quorum=close.quorum,
                          step_scale=close.step_scale, **fields, **_choice_fields(close))

@@ -67,6 +67,9 @@ class Published:
     # Σ Δ² of the merged outer gradient it applied, where the policy asks for it to
     # estimate gradient noise (`Policy.record_merge`); NaN otherwise.
     merged_norm_sq: float = math.nan
+    # Wall time of its publication: the commit event's time, which the harness orders
+    # epochs by, even when the process stops before it logs the commit.
+    published_t: float = field(default_factory=time.time)
 
 
 @dataclass

@@ -37,10 +37,13 @@ class EventLog:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._out = open(path, "a", buffering=1)  # noqa: SIM115 (lives as long as the log)
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, kind: str, t: float | None = None, **fields: Any) -> None:
+        """Log `kind` at wall time `t`: now, unless the fact took effect earlier (a
+        process stopped between doing something and logging it logs when it did it)."""
         if self._out is None:
             return
-        record = {"t": time.time(), "source": self.source, "kind": kind, **fields}
+        record = {"t": time.time() if t is None else t, "source": self.source, "kind": kind,
+                  **fields}
         self._out.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:

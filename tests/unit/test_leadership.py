@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -188,3 +189,37 @@ def test_an_elected_engine_that_cannot_replicate_steps_down_and_resigns(
         assert leadership.replicated == []
 
     run(engine, scenario)
+
+
+def test_a_commit_is_logged_at_its_publication_even_when_logged_late(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader SIGSTOPped between publishing a version and logging it wrote the
+    commit with the time it resumed, after the commits of the epoch elected
+    meanwhile: the harness saw a split brain that never was. The line carries the
+    publication's time instead."""
+    leadership = Elected()
+    engine = engine_in(tmp_path, leadership, HaConfig(etcd=("127.0.0.1:2379",)))
+    emit = engine.events.emit
+    logged_from: list[float] = []
+
+    def stopped_before_commit_lines(kind: str, t: float | None = None, **fields: object) -> None:
+        if kind == "commit":
+            logged_from.append(time.time())
+            time.sleep(0.2)  # the stop
+        emit(kind, t, **fields)
+
+    monkeypatch.setattr(engine.events, "emit", stopped_before_commit_lines)
+
+    async def scenario() -> None:
+        await engine.promote(3, None)
+        engine.join(JOIN)
+        await push(engine, 1, init=True)
+        pushed = time.time()
+        await push(engine, 2)
+        await committed(engine)
+        logged_from.append(pushed)
+
+    run(engine, scenario)
+    (commit,) = events(tmp_path, "commit")
+    late, pushed = logged_from
+    assert pushed <= commit["t"] <= late
