@@ -219,6 +219,8 @@ def _manifest(text: str) -> list[Any]:
 @dataclass
 class _Item:
     record: FragmentRecord
+    # Its momentum is all zero (`FragmentRecord.momentum_is_zero`), found once for all links.
+    zero_momentum: bool
     acked: asyncio.Future[None]
 
 
@@ -234,11 +236,11 @@ class _Link:
     in_sync: bool = False
     task: asyncio.Task[None] | None = None
 
-    def enqueue(self, record: FragmentRecord) -> asyncio.Future[None]:
+    def enqueue(self, record: FragmentRecord, zero_momentum: bool) -> asyncio.Future[None]:
         acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Only in-sync links are waited on: mark the others' failures as seen.
         acked.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.queue.put_nowait(_Item(record, acked))
+        self.queue.put_nowait(_Item(record, zero_momentum, acked))
         return acked
 
     def fail_pending(self) -> None:
@@ -304,12 +306,13 @@ class Replicator:
         # The next commit of this fragment updates the momentum in place, and a
         # laggard may still be sending this version then (an all-zero one is not
         # copied: `np.zeros` maps zero pages, touched only if it is sent).
-        momentum = (np.zeros(record.momentum.shape, np.float32) if record.momentum_is_zero()
+        zero_momentum = record.momentum_is_zero()
+        momentum = (np.zeros(record.momentum.shape, np.float32) if zero_momentum
                     else record.momentum.copy())
         record = FragmentRecord(record.fragment, record.version, record.params, momentum,
                                 dict(record.watermarks), record.manifest, record.epoch,
                                 record.commit_id)
-        waits = {link.replica_id: (link, link.enqueue(record), link.in_sync)
+        waits = {link.replica_id: (link, link.enqueue(record, zero_momentum), link.in_sync)
                  for link in list(self.links.values())}
         if self.mode == "async":
             return
@@ -402,7 +405,7 @@ class Replicator:
                         await self._write_insync()
                     item = await link.queue.get()
                     try:
-                        await self._send(stub, link, item.record)
+                        await self._send(stub, link, item.record, item.zero_momentum)
                     except BaseException as exc:
                         if not item.acked.done():
                             item.acked.set_exception(ConnectionError(str(exc)))
@@ -429,15 +432,16 @@ class Replicator:
         for fragment in range(len(run.numels)):
             record = await asyncio.to_thread(self.engine.state.load_fragment, fragment)
             if record is not None:
-                await self._send(stub, link, record)
+                await self._send(stub, link, record,
+                                 await asyncio.to_thread(record.momentum_is_zero))
 
     async def _send(self, stub: pb_grpc.ReplicationStub, link: _Link,
-                    record: FragmentRecord) -> None:
+                    record: FragmentRecord, zero_momentum: bool) -> None:
         run = self.engine.run
         if run is None:
             raise ConnectionError("no run to replicate")
         header = replica_header(self.epoch, self.replica_id, run, record,
-                                link.zero_momentum and record.momentum_is_zero())
+                                link.zero_momentum and zero_momentum)
         pool = None if link.address in self._no_bulk else self._bulk
         try:
             await send_replica(stub, header, record, link.address, pool,
