@@ -9,9 +9,11 @@ path and the standby's write, not the disk) run against a one-member etcd from t
 comes once the version is durable there. Rounds alternate between the two
 transports; the best round of each counts. `ratio` is the bulk channel's throughput
 over the gRPC chunks' (what replication moved at before it took the bulk channel).
-A third series sends the versions of a run without outer momentum (the default) as a
-leader now does, on the bulk channel with the all-zero momentum left out;
-`zero_momentum_speedup` is the bulk round's time over that one's.
+A third series sends the versions of a run without outer momentum (the default) on the
+bulk channel with the all-zero momentum left out, as a leader sends them to a standby
+that reads such streams; `zero_momentum_speedup` is the bulk round's time over that
+one's. It measures the link and the standby only: the leader's own work per version
+(its zero check, or the momentum's copy) is not in either series.
 
 Run from the repository root: `python -m bench.replication [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
@@ -27,7 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -53,12 +54,14 @@ def unreachable(error: BulkUnreachable) -> None:
     raise SystemExit(f"bench.replication: the standby's bulk port is unreachable: {error}")
 
 
-async def rounds(address: str, epoch: int, numels: list[int], count: int) -> dict[str, Any]:
+async def rounds(address: str, epoch: int, numels: list[int],
+                 count: int) -> dict[str, float]:
+    """The best round's seconds per transport; a round moves 8 B per parameter (the
+    zero-momentum series, 4)."""
     rng = np.random.default_rng(0)
     run = RunRecord("bench-replication", "bench-layout", tuple(numels))
     values = [rng.standard_normal(2 * n).astype(np.float32) for n in numels]
     zeros = [np.zeros(n, np.float32) for n in numels]
-    nbytes = sum(v.nbytes for v in values)
     pool = BulkPool(REPLICA_NAME)
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     best = dict.fromkeys(("grpc", "bulk", "bulk_zero_momentum"), float("inf"))
@@ -81,8 +84,8 @@ async def rounds(address: str, epoch: int, numels: list[int], count: int) -> dic
                 seconds = time.perf_counter() - started
                 if index:
                     best[transport] = min(best[transport], seconds)
-                    log(f"  {transport}: {seconds:.3f} s, {nbytes / seconds / MB:.0f} MB/s "
-                        f"of whole records")
+                    log(f"  {transport}: {seconds:.3f} s, "
+                        f"{8 * sum(numels) / seconds / MB:.0f} MB/s of whole records")
     pool.close()
     return best
 
