@@ -138,11 +138,10 @@ class FragmentRecord:
     epoch: int = 0
     # Random, nonzero (`new_commit_id`); 0 in records written before there were ids.
     commit_id: int = 0
-
-    def momentum_is_zero(self) -> bool:
-        """All zero bits, as without outer momentum (the default): what the durable
-        file and a replica's stream then leave out."""
-        return not self.momentum.view(np.uint32).any()
+    # The momentum is all zero, as without outer momentum (the default), and the durable
+    # file and a replica's stream leave it out. Set by whoever knows it (the store's
+    # outer step, a file or stream that said so) rather than found by a scan per write.
+    zero_momentum: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,7 +298,7 @@ class StateDir:
         # Without outer momentum (the default) the buffer is all zero bits: left out,
         # which halves what a commit hashes and writes.
         payload = [params.data.cast("B")]
-        if not record.momentum_is_zero():
+        if not record.zero_momentum:
             payload.append(np.ascontiguousarray(record.momentum, dtype="<f4").data.cast("B"))
         header = json.dumps({
             "fragment": record.fragment, "version": record.version, "numel": params.size,
@@ -346,11 +345,14 @@ class StateDir:
         Returns the fragments whose file is older than what the log last recorded
         (by epoch, then version), or missing: with `fsync = false` a power loss can
         keep the log's append and lose the file's rename. The file stands (its
-        record is logged again, so the log says where the fragment resumed), and
-        the versions after it are lost; the caller says so."""
+        record is logged again, so the log says where the fragment resumed, and
+        the next start says nothing), and the versions after it are lost; the
+        caller says so. A missing file has no record to log: it is said at every
+        start until the fragment is written again."""
         regressions = []
         with self._log_lock:
             for fragment, record in enumerate(records):
+                assert record is None or record.fragment == fragment, (fragment, record)
                 # Asked anew each time: an append may have rolled the log.
                 log = self._opened_log()
                 logged = log.latest(fragment)
@@ -630,4 +632,4 @@ def _parse_fragment(blob: bytes) -> FragmentRecord:
         momentum=np.zeros(numel, np.float32) if zero_momentum else values[numel:].copy(),
         watermarks={str(k): int(v) for k, v in header["watermarks"].items()},
         manifest=list(header["manifest"]), epoch=int(header.get("epoch", 0)),
-        commit_id=int(header.get("commit_id", 0)))
+        commit_id=int(header.get("commit_id", 0)), zero_momentum=zero_momentum)

@@ -87,13 +87,11 @@ def outer_step(config: OuterConfig, params: np.ndarray, momentum: np.ndarray,
     never written. Works block by block so the only temporary is small.
 
     Without momentum (μ = 0, the default) there is no buffer to keep, as in torch's
-    SGD: `momentum` is left zero (zeroed if a run with momentum left it otherwise),
+    SGD: `momentum` is not touched (the store keeps it zero, `FragmentStore.resume`),
     which saves two passes here and lets the durable record leave it out."""
     mu = np.float32(config.momentum)
     neg_lr = np.float32(-config.lr)
     if mu == 0:
-        if momentum.any():
-            momentum.fill(0)
         np.multiply(delta, neg_lr, out=delta)
         np.add(delta, params, out=delta)
         return delta

@@ -200,7 +200,7 @@ async def read_replica(
         momentum=np.zeros(numel, np.float32) if header.zero_momentum else values[numel:],
         watermarks={k: int(v) for k, v in header.watermarks.items()},
         manifest=_manifest(header.manifest_json), epoch=int(header.commit_epoch),
-        commit_id=int(header.commit_id))
+        commit_id=int(header.commit_id), zero_momentum=header.zero_momentum)
     return int(header.epoch), run, record, transport
 
 
@@ -219,8 +219,6 @@ def _manifest(text: str) -> list[Any]:
 @dataclass
 class _Item:
     record: FragmentRecord
-    # Its momentum is all zero (`FragmentRecord.momentum_is_zero`), found once for all links.
-    zero_momentum: bool
     acked: asyncio.Future[None]
 
 
@@ -236,11 +234,11 @@ class _Link:
     in_sync: bool = False
     task: asyncio.Task[None] | None = None
 
-    def enqueue(self, record: FragmentRecord, zero_momentum: bool) -> asyncio.Future[None]:
+    def enqueue(self, record: FragmentRecord) -> asyncio.Future[None]:
         acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Only in-sync links are waited on: mark the others' failures as seen.
         acked.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.queue.put_nowait(_Item(record, zero_momentum, acked))
+        self.queue.put_nowait(_Item(record, acked))
         return acked
 
     def fail_pending(self) -> None:
@@ -306,13 +304,12 @@ class Replicator:
         # The next commit of this fragment updates the momentum in place, and a
         # laggard may still be sending this version then (an all-zero one is not
         # copied: `np.zeros` maps zero pages, touched only if it is sent).
-        zero_momentum = record.momentum_is_zero()
-        momentum = (np.zeros(record.momentum.shape, np.float32) if zero_momentum
+        momentum = (np.zeros(record.momentum.shape, np.float32) if record.zero_momentum
                     else record.momentum.copy())
         record = FragmentRecord(record.fragment, record.version, record.params, momentum,
                                 dict(record.watermarks), record.manifest, record.epoch,
-                                record.commit_id)
-        waits = {link.replica_id: (link, link.enqueue(record, zero_momentum), link.in_sync)
+                                record.commit_id, record.zero_momentum)
+        waits = {link.replica_id: (link, link.enqueue(record), link.in_sync)
                  for link in list(self.links.values())}
         if self.mode == "async":
             return
@@ -405,7 +402,7 @@ class Replicator:
                         await self._write_insync()
                     item = await link.queue.get()
                     try:
-                        await self._send(stub, link, item.record, item.zero_momentum)
+                        await self._send(stub, link, item.record)
                     except BaseException as exc:
                         if not item.acked.done():
                             item.acked.set_exception(ConnectionError(str(exc)))
@@ -432,16 +429,15 @@ class Replicator:
         for fragment in range(len(run.numels)):
             record = await asyncio.to_thread(self.engine.state.load_fragment, fragment)
             if record is not None:
-                await self._send(stub, link, record,
-                                 await asyncio.to_thread(record.momentum_is_zero))
+                await self._send(stub, link, record)
 
     async def _send(self, stub: pb_grpc.ReplicationStub, link: _Link,
-                    record: FragmentRecord, zero_momentum: bool) -> None:
+                    record: FragmentRecord) -> None:
         run = self.engine.run
         if run is None:
             raise ConnectionError("no run to replicate")
         header = replica_header(self.epoch, self.replica_id, run, record,
-                                link.zero_momentum and zero_momentum)
+                                link.zero_momentum and record.zero_momentum)
         pool = None if link.address in self._no_bulk else self._bulk
         try:
             await send_replica(stub, header, record, link.address, pool,

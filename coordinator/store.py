@@ -206,6 +206,10 @@ class FragmentStore:
             if record.params.size != slot.numel:
                 raise StateError(f"fragment {p} on disk has {record.params.size} elements, "
                                  f"the run's layout says {slot.numel}")
+            if self.outer.momentum == 0 and not record.zero_momentum:
+                # A run with momentum left this buffer: without momentum it stays zero
+                # from here on (`outer_step` leaves it, and commits say it is zero).
+                record.momentum.fill(0)
             slot.momentum = record.momentum
             slot.published = Published(record.version, record.params, record.watermarks,
                                        time.monotonic(), record.commit_id)
@@ -237,7 +241,7 @@ class FragmentStore:
         slot = self.slots[fragment]
         momentum = np.zeros(slot.numel, dtype=np.float32)
         record = FragmentRecord(fragment, 0, values, momentum, watermarks, [], epoch,
-                                new_commit_id())
+                                new_commit_id(), zero_momentum=True)
         self.bytes_written += await asyncio.to_thread(self.state.save_fragment, record)
         if guard is not None:
             await guard(record)
@@ -281,7 +285,8 @@ class FragmentStore:
                 params = outer_step(self.outer.scaled(close.step_scale), old.params,
                                     momentum, delta)
             record = FragmentRecord(close.fragment, close.version, params, momentum,
-                                    watermarks, manifest, epoch, new_commit_id())
+                                    watermarks, manifest, epoch, new_commit_id(),
+                                    zero_momentum=self.outer.momentum == 0)
             with _TRACER.start_as_current_span("ftsync.durable_write") as write:
                 written = self.state.save_fragment(record)
                 write.set_attribute("ftsync.bytes", written)

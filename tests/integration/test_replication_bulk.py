@@ -216,7 +216,9 @@ def test_a_replica_without_its_zero_momentum_is_written_with_it(replicas: Replic
     written = records(standby.state_dir)[0]
     assert written is not None and written.version == 10_000
     np.testing.assert_array_equal(written.params, params)
-    assert written.momentum.shape == (numel,) and written.momentum_is_zero()
+    # Written as zero, and so left out of the standby's file too.
+    assert written.zero_momentum and written.momentum.shape == (numel,)
+    assert not written.momentum.any()
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.config import CoordinatorConfig, HaConfig
+from coordinator.config import CoordinatorConfig, HaConfig, OuterConfig
 from coordinator.durability import FragmentRecord, RunRecord
 from coordinator.engine import Engine
 from coordinator.errors import NotLeader
@@ -62,9 +62,10 @@ class Elected(Leadership):
 
 
 def engine_in(tmp_path: Path, leadership: Leadership | None = None,
-              ha: HaConfig | None = None) -> Engine:
+              ha: HaConfig | None = None, outer: OuterConfig | None = None) -> Engine:
     config = CoordinatorConfig(state_dir=str(tmp_path / "state"), fsync=False,
-                               event_log=str(tmp_path / "events.jsonl"), ha=ha or HaConfig())
+                               event_log=str(tmp_path / "events.jsonl"), ha=ha or HaConfig(),
+                               outer=outer or OuterConfig())
     return Engine(config, leadership)
 
 
