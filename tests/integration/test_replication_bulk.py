@@ -1,7 +1,8 @@
 """Replication on the bulk channel, between real coordinator replicas on real etcd.
 
 A standby's durable state after replication over its bulk port equals the leader's,
-bit for bit; a replica whose frame fails its checksum is refused as `corrupt` and
+bit for bit, and leaves out a zero momentum only for a standby whose registration asks
+for that; a replica whose frame fails its checksum is refused as `corrupt` and
 nothing of it is written; and a standby whose bulk port the leader cannot reach (its
 advertised address is a fault proxy that mirrors only the gRPC port, as behind a
 NAT) takes the same versions as gRPC chunks, the fall-back said once.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -27,11 +29,13 @@ from chaos.etcd import EtcdCluster
 from chaos.failover import ReplicaSet
 from chaos.local import CoordinatorProcess
 from chaos.proxy import ThreadedProxy
+from coordinator.config import HaConfig
 from coordinator.durability import FragmentRecord, RunRecord, StateDir
+from coordinator.etcd import Etcd
 from coordinator.replication import replica_header
+from protos import discovery, metadata
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
-from protos import metadata
 from protos.bulk import send_frames
 from protos.tls import REPLICA_NAME
 from tests.daemon import wait_until
@@ -139,6 +143,36 @@ def test_a_standby_replicated_over_its_bulk_port_holds_the_leaders_state(
     # Every version went as frames on the standby's bulk port, none as chunks.
     assert set(replicas.transfers(1)) == {"bulk"}, replicas.transfers(1)
     assert not [e for e in replicas.set.events(0) if e["kind"] == "bulk_fallback"]
+    # Without outer momentum (the default) each version went without it, as the
+    # standby's registration asks, and its files leave it out too.
+    assert all(r is not None and r.zero_momentum for r in records(replicas.set.state_dirs()[1]))
+
+
+@pytest.mark.timeout(120)
+def test_a_standby_registered_by_an_older_build_gets_whole_records(
+        replicas: Replicas, tmp_path: Path, etcd: EtcdCluster) -> None:
+    """A registration without `zero_momentum` is an older build's, which reads only
+    whole records: the leader rebuilds its link and sends the momentum, zero or not."""
+    async def reregister_as_an_older_build() -> None:
+        client = Etcd(etcd.endpoints)
+        try:
+            key = discovery.replicas_prefix(HaConfig().run) + b"r1"
+            entry = await client.get(key)
+            assert entry is not None and json.loads(entry.value)["zero_momentum"] is True
+            older = json.dumps({"replica": "r1", "address": replicas.set.replicas[1].address})
+            await client.put(key, older.encode(), entry.lease)
+        finally:
+            await client.close()
+
+    asyncio.run(reregister_as_an_older_build())
+    # The rebuilt link catches the standby up again, then it is in sync once more.
+    wait_until(lambda: sum(e["kind"] == "standby_in_sync" for e in replicas.set.events(0)) >= 2,
+               TIMEOUT)
+    replicas.train(tmp_path, commits=4)
+    assert_standby_equals_leader(replicas)
+    standby = records(replicas.set.state_dirs()[1])
+    assert all(r is not None and not r.zero_momentum and not r.momentum.any()
+               for r in standby), standby
 
 
 @contextlib.contextmanager
