@@ -63,10 +63,11 @@ FAULTS = {
     "bandwidth": ("learner-1", "bandwidth_bytes_s = 50000"),
     "reset_connections": ("learner-0", ""),
     "adversary": ("random", ""),
-    # Learner-1 at half speed throughout, so rounds wait for it in grace windows that a
-    # status poll sees (two learners in step close theirs within milliseconds).
+    # Learner-1 at half speed past the kill's heal, so rounds wait for it in grace
+    # windows that a status poll sees (two learners in step close theirs within
+    # milliseconds); at full speed after, so the run is not twice as long.
     "kill_leader": ("leader", 'during = "grace"\n\n[[faults]]\nkind = "straggle"\n'
-                              'target = "learner-1"\nat_s = 0.5\nduration_s = 60\n'
+                              'target = "learner-1"\nat_s = 0.5\nduration_s = 20\n'
                               'duty = 0.5'),
     "pause_leader": ("leader", ""),
     "partition_leader_from_etcd": ("leader", ""),
