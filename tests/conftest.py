@@ -7,8 +7,16 @@ import pytest
 
 from protos.tls import TlsConfig
 from tests.daemon import Daemon
-from tests.docker import image, network  # noqa: F401 (fixtures)
+from tests.docker import image, network, start_build, stop_build  # noqa: F401 (fixtures)
 from tests.etcd import etcd, etcd_cluster  # noqa: F401 (fixtures)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    start_build(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_build(session)
 
 
 @pytest.fixture

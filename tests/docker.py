@@ -1,7 +1,11 @@
 """The ftsync image and docker commands for the container tests.
 
 `image` builds the image once per test session with `deploy/docker/build` (its
-base and wheelhouse are cached across runs on this machine). Everything a test
+base and wheelhouse are cached across runs on this machine). The build starts as
+soon as collection shows a test that needs it (`start_build`, from the conftest),
+so that on a fresh machine its three minutes or so (debootstrap, the wheelhouse,
+an uncached `docker build`) overlap the tests that run before the container
+tests instead of adding to the suite's time. Everything a test
 starts lives on a network or under a compose project named after the test, and
 is removed at its end; the host reaches containers only through `docker exec`.
 """
@@ -9,6 +13,7 @@ is removed at its end; the host reaches containers only through `docker exec`.
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,14 +39,60 @@ def wait_for(predicate: Callable[[], object], timeout: float, message: str) -> N
     wait_until(predicate, timeout, 0.5, message)
 
 
+class Build:
+    """`deploy/docker/build` of the test image, running in the background; its
+    output goes to files, which no one need read while it runs."""
+
+    def __init__(self) -> None:
+        self.stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in `wait`)
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [str(ROOT / "deploy" / "docker" / "build"), "--tag", IMAGE],
+            stdout=self.stdout, stderr=self.stderr, text=True)
+
+    def wait(self, timeout: float = 1800) -> str:
+        """The image's tag once built; an assertion error with the build's output if
+        it failed."""
+        try:
+            code = self.process.wait(timeout)
+            self.stdout.seek(0)
+            self.stderr.seek(0)
+            out, err = self.stdout.read(), self.stderr.read()
+        finally:
+            self.stop()
+        assert code == 0, err[-4000:]
+        print(out.strip())
+        return IMAGE
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stdout.close()
+        self.stderr.close()
+
+
+BUILD = pytest.StashKey[Build]()
+
+
+def start_build(session: pytest.Session) -> None:
+    """Start the image's build now if a collected test needs it."""
+    if any("image" in getattr(item, "fixturenames", ()) for item in session.items):
+        session.config.stash[BUILD] = Build()
+
+
+def stop_build(session: pytest.Session) -> None:
+    """A build no test waited for (the session was cut short) is not left running."""
+    build = session.config.stash.get(BUILD, None)
+    if build is not None:
+        build.stop()
+
+
 @pytest.fixture(scope="session")
-def image() -> str:
-    """The image, built from this checkout."""
-    built = subprocess.run([str(ROOT / "deploy" / "docker" / "build"), "--tag", IMAGE],
-                           capture_output=True, text=True, timeout=1800)
-    assert built.returncode == 0, built.stderr[-4000:]
-    print(built.stdout.strip())
-    return IMAGE
+def image(request: pytest.FixtureRequest) -> str:
+    """The image, built from this checkout (started at collection, `start_build`)."""
+    build = request.config.stash.get(BUILD, None) or Build()
+    return build.wait()
 
 
 @pytest.fixture
