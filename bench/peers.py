@@ -7,7 +7,13 @@ worker`): the same MLP of about 1M parameters on the same synthetic regression
 torchft: three replica groups of one rank each, `torchft.local_sgd.DiLoCo`
 (Nesterov outer SGD, lr 0.7, momentum 0.9), a Lighthouse with min 2 replicas,
 Gloo on the CPU. ftsync: a coordinator daemon and three `learner.api.Learner`s
-(4 fragments, τ = 1, quorum 1, the async outer defaults). Three scenarios each:
+(`--fragments` P, τ = 1, quorum 1, the async outer defaults). P is 1 by default,
+so that each learner syncs its whole model every H steps as torchft's DiLoCo
+does: the same exchanges, the same bytes. Streaming fragments (P > 1) overlap a
+large model's transfer with its steps; at 1M parameters and ~60 steps/s there is
+nothing to overlap, and each fragment's push, pull and apply costs CPU the steps
+then lack (goodput 0.65 at P = 4 against 0.96 at P = 1 with no fault). Three
+scenarios each:
 no faults; learner 2 SIGKILLed at `--kill-at` s and restarted at `--restart-at`
 s; learner 2 at a third of its speed (it sleeps twice each step's compute).
 
@@ -49,7 +55,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = (256, 1024, 640, 64)  # 958,528 weights + biases: about 1M parameters
 BATCH = 32
 LEARNERS = 3
-FRAGMENTS = 4
 SYSTEMS = ("torchft", "ftsync")
 SCENARIOS = ("no_fault", "kill", "straggler")
 SLOW = 2  # the straggler sleeps this many times each step's compute: a third of its speed
@@ -171,7 +176,7 @@ def _torchft(args: argparse.Namespace, model: Any, inner: Any) -> tuple[Any, Any
 def _ftsync(args: argparse.Namespace, model: Any) -> tuple[Any, Any]:
     from learner.api import Learner
 
-    learner = Learner(args.address, model, sync_every=args.sync_every, fragments=FRAGMENTS,
+    learner = Learner(args.address, model, sync_every=args.sync_every, fragments=args.fragments,
                       overlap=1, learner_id=f"learner-{args.replica}", device="cpu",
                       event_log=args.events, connect_timeout_s=60)
     learner.start()
@@ -182,11 +187,13 @@ def _ftsync(args: argparse.Namespace, model: Any) -> tuple[Any, Any]:
 
 
 def start_worker(system: str, replica: int, address: str, out: Path, start_at: float,
-                 duration: float, sync_every: int, slow: bool) -> subprocess.Popen[bytes]:
+                 duration: float, args: argparse.Namespace,
+                 slow: bool) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "bench.peers", "worker", "--system", system,
                "--replica", str(replica), "--address", address, "--duration", str(duration),
                "--start-at", str(start_at),
-               "--sync-every", str(sync_every), "--log", str(out / f"w{replica}.jsonl"),
+               "--sync-every", str(args.sync_every), "--fragments", str(args.fragments),
+               "--log", str(out / f"w{replica}.jsonl"),
                "--events", str(out / f"learner-{replica}.events.jsonl")]
     if slow:
         command.append("--slow")
@@ -216,7 +223,7 @@ def run_scenario(system: str, scenario: str, out: Path, args: argparse.Namespace
     else:
         address = ""
     began = time.time() + args.startup_s
-    workers = [start_worker(system, i, address, out, began, args.duration, args.sync_every,
+    workers = [start_worker(system, i, address, out, began, args.duration, args,
                             slow=scenario == "straggler" and i == LEARNERS - 1)
                for i in range(LEARNERS)]
     killed_at = restarted_at = None
@@ -229,8 +236,8 @@ def run_scenario(system: str, scenario: str, out: Path, args: argparse.Namespace
             time.sleep(max(began + args.restart_at - time.time(), 0))
             restarted_at = time.time()
             workers[-1] = start_worker(system, LEARNERS - 1, address, out, restarted_at,
-                                       began + args.duration - restarted_at,
-                                       args.sync_every, slow=False)
+                                       began + args.duration - restarted_at, args,
+                                       slow=False)
         for w in workers:
             w.wait(timeout=args.startup_s + args.duration + 120)
     finally:
@@ -242,7 +249,7 @@ def run_scenario(system: str, scenario: str, out: Path, args: argparse.Namespace
             server.shutdown()
         elif system == "ftsync":
             server.stop()
-    return analyse(system, out, began, killed_at, restarted_at, args.sync_every)
+    return analyse(system, out, began, killed_at, restarted_at, args)
 
 
 def _steps(path: Path) -> list[dict[str, Any]]:
@@ -258,19 +265,19 @@ def _steps(path: Path) -> list[dict[str, Any]]:
 
 
 def analyse(system: str, out: Path, began: float, killed_at: float | None,
-            restarted_at: float | None, sync_every: int) -> dict[str, Any]:
+            restarted_at: float | None, args: argparse.Namespace) -> dict[str, Any]:
     per: dict[int, list[dict[str, Any]]] = {i: _steps(out / f"w{i}.jsonl")
                                             for i in range(LEARNERS)}
     end = max((r[-1]["t"] for r in per.values() if r), default=began)
     useful = {i: 0.0 for i in range(LEARNERS)}
     first_merge: float | None = None
     if system == "ftsync":
-        useful, first_merge = _ftsync_useful(out, restarted_at)
+        useful, first_merge = _ftsync_useful(out, restarted_at, args.fragments)
     elif system == "torchft":
         for i, records in per.items():
             for before, after in itertools.pairwise(records):
                 if after["commit"] == before["commit"] + 1:
-                    useful[i] += sync_every
+                    useful[i] += args.sync_every
                     if (restarted_at is not None and i == LEARNERS - 1
                             and after["t"] > restarted_at and first_merge is None):
                         first_merge = after["t"]
@@ -299,7 +306,8 @@ def _rate(records: list[dict[str, Any]]) -> float:
     return float((b["step"] - a["step"]) / max(b["t"] - a["t"], 1e-9))
 
 
-def _ftsync_useful(out: Path, restarted_at: float | None) -> tuple[dict[int, float], float | None]:
+def _ftsync_useful(out: Path, restarted_at: float | None,
+                   fragments: int) -> tuple[dict[int, float], float | None]:
     from chaos.history import load_log
     from chaos.metrics import invocations, merged_ids
 
@@ -309,7 +317,7 @@ def _ftsync_useful(out: Path, restarted_at: float | None) -> tuple[dict[int, flo
     for cid in merged:
         invoke = invoked.get(cid)
         if invoke is not None:
-            useful[int(cid.learner_id.rsplit("-", 1)[1])] += invoke.number("c_steps") / FRAGMENTS
+            useful[int(cid.learner_id.rsplit("-", 1)[1])] += invoke.number("c_steps") / fragments
     first = None
     if restarted_at is not None:
         victim = f"learner-{LEARNERS - 1}"
@@ -329,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--address", default="")
     w.add_argument("--duration", type=float, required=True)
     w.add_argument("--sync-every", type=int, default=20)
+    w.add_argument("--fragments", type=int, default=1)
     w.add_argument("--log", required=True)
     w.add_argument("--events", default="")
     w.add_argument("--slow", action="store_true")
@@ -337,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=float, default=20.0)
     parser.add_argument("--restart-at", type=float, default=25.0)
     parser.add_argument("--sync-every", type=int, default=20)
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="ftsync's fragments P: each learner pushes one every H/P steps "
+                             "(default 1: the whole model every H, as torchft)")
     parser.add_argument("--baseline-s", type=float, default=15.0)
     parser.add_argument("--startup-s", type=float, default=20.0,
                         help="time given every learner to start before all step together")
@@ -368,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{[round(v, 1) for v in r['rates'].values()]} steps/s, stall "
                 f"{r['survivor_stall_s']}, restart -> first merge "
                 f"{r['first_merge_after_restart_s']}")
-    summary = summarise(results, base_rates)
+    summary = {**summarise(results, base_rates), "fragments": args.fragments,
+               "sync_every": args.sync_every}
     print(json.dumps(summary), flush=True)
 
 
