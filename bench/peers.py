@@ -12,8 +12,8 @@ so that each learner syncs its whole model every H steps as torchft's DiLoCo
 does: the same exchanges, the same bytes. Streaming fragments (P > 1) overlap a
 large model's transfer with its steps; at 1M parameters and ~60 steps/s there is
 nothing to overlap, and each fragment's push, pull and apply costs CPU the steps
-then lack (goodput 0.65 at P = 4 against 0.96 at P = 1 with no fault). Three
-scenarios each:
+then lack (goodput with no fault 0.65 at P = 4, 0.96 at P = 1, in runs of
+different days on the same kind of machine: BENCHMARKS.md). Three scenarios each:
 no faults; learner 2 SIGKILLed at `--kill-at` s and restarted at `--restart-at`
 s; learner 2 at a third of its speed (it sleeps twice each step's compute).
 
@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "worker":
         worker(args)
         return
+    if args.fragments < 1:
+        parser.error(f"--fragments must be at least 1, got {args.fragments}")
     if not args.kill_at < args.restart_at < args.duration:
         parser.error("need --kill-at < --restart-at < --duration")
     root = args.out or Path(tempfile.mkdtemp(prefix="ftsync-bench-peers-"))

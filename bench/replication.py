@@ -13,7 +13,8 @@ A third series sends the versions of a run without outer momentum (the default) 
 bulk channel with the all-zero momentum left out, as a leader sends them to a standby
 that reads such streams; `zero_momentum_speedup` is the bulk round's time over that
 one's. It measures the link and the standby only: the leader's own work per version
-(its zero check, or the momentum's copy) is not in either series.
+(an `np.zeros` stand-in for a zero momentum, or the momentum's copy) is not in either
+series.
 
 Run from the repository root: `python -m bench.replication [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.

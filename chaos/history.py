@@ -145,9 +145,11 @@ class LoadedLog:
 def load_log(paths: Iterable[str | Path]) -> LoadedLog:
     """Merge the JSONL logs at `paths` into one list sorted by time.
 
-    Ties keep file order (path by path, line by line), so one process's
-    events never swap. A line that is not a JSON object with a numeric "t"
-    and string "source"/"kind" is skipped and reported. A restarted process
+    Ties keep file order (path by path, line by line). A line may sort ahead
+    of lines its process wrote before it: a commit's line carries the time of
+    its publication, a little before the line was written.
+    A line that is not a JSON object with a numeric "t" and string
+    "source"/"kind" is skipped and reported. A restarted process
     appending to the log its killed predecessor cut short produces a line
     holding the broken tail and then a whole record; the whole record is
     kept.

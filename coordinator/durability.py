@@ -295,8 +295,8 @@ class StateDir:
 
     def _save_fragment(self, record: FragmentRecord) -> int:
         params = np.ascontiguousarray(record.params, dtype="<f4")
-        # Without outer momentum (the default) the buffer is all zero bits: left out,
-        # which halves what a commit hashes and writes.
+        # Without outer momentum (the default) the record says its momentum is zero: left
+        # out, which halves what a commit hashes and writes.
         payload = [params.data.cast("B")]
         if not record.zero_momentum:
             payload.append(np.ascontiguousarray(record.momentum, dtype="<f4").data.cast("B"))
@@ -323,9 +323,13 @@ class StateDir:
         with self._fragment_lock(fragment):
             blob = path.read_bytes()
         try:
-            return _parse_fragment(blob)
+            record = _parse_fragment(blob)
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise StateError(f"{path}: {exc}") from exc
+        if record.fragment != fragment:
+            raise StateError(f"{path}: holds fragment {record.fragment}, not {fragment} "
+                             f"(a file copied into the wrong place?)")
+        return record
 
     # -- manifest log ----------------------------------------------------------
 

@@ -208,8 +208,10 @@ class FragmentStore:
                                  f"the run's layout says {slot.numel}")
             if self.outer.momentum == 0 and not record.zero_momentum:
                 # A run with momentum left this buffer: without momentum it stays zero
-                # from here on (`outer_step` leaves it, and commits say it is zero).
+                # from here on (`outer_step` leaves it, and commits say it is zero). The
+                # file keeps it until the fragment's next commit.
                 record.momentum.fill(0)
+                record.zero_momentum = True
             slot.momentum = record.momentum
             slot.published = Published(record.version, record.params, record.watermarks,
                                        time.monotonic(), record.commit_id)

@@ -337,6 +337,14 @@ def test_corrupt_payload_byte_fails_the_checksum(plain: StateDir, where: str) ->
         plain.load_fragment(0)
 
 
+def test_a_fragment_file_in_another_fragments_place_raises_state_error(plain: StateDir) -> None:
+    path, blob = saved_blob(plain)
+    plain.fragment_path(1).write_bytes(blob)  # fragment 0's file copied as fragment 1's
+    with pytest.raises(StateError, match="holds fragment 0, not 1"):
+        plain.load_fragment(1)
+    assert plain.load_fragment(0) is not None and path.read_bytes() == blob
+
+
 def test_truncated_file_raises_state_error(plain: StateDir) -> None:
     path, blob = saved_blob(plain)
     header_start, header_end = header_span(blob)
