@@ -12,6 +12,9 @@ is removed at its end; the host reaches containers only through `docker exec`.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -40,15 +43,19 @@ def wait_for(predicate: Callable[[], object], timeout: float, message: str) -> N
 
 
 class Build:
-    """`deploy/docker/build` of the test image, running in the background; its
-    output goes to files, which no one need read while it runs."""
+    """`deploy/docker/build` of the test image, running in the background at the
+    lowest CPU and I/O priority (the tests beside it come first); its output goes to
+    files, which no one need read while it runs. It is a process group of its own,
+    so that stopping it stops what the script started (debootstrap, pip, docker)."""
 
     def __init__(self) -> None:
-        self.stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in `wait`)
+        self.stdout = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in `stop`)
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [str(ROOT / "deploy" / "docker" / "build"), "--tag", IMAGE],
-            stdout=self.stdout, stderr=self.stderr, text=True)
+            ["nice", "-n", "19", "ionice", "-c", "3",
+             str(ROOT / "deploy" / "docker" / "build"), "--tag", IMAGE],
+            stdin=subprocess.DEVNULL, stdout=self.stdout, stderr=self.stderr, text=True,
+            start_new_session=True)
 
     def wait(self, timeout: float = 1800) -> str:
         """The image's tag once built; an assertion error with the build's output if
@@ -65,20 +72,35 @@ class Build:
         return IMAGE
 
     def stop(self) -> None:
+        """Stop the build's whole group if it still runs: SIGTERM (the script's traps
+        remove its temporary folders), SIGKILL if that is not enough."""
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(_STOP_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
         self.stdout.close()
         self.stderr.close()
 
 
+# How long a build stopped early has to end before it is killed.
+_STOP_S = 30.0
 BUILD = pytest.StashKey[Build]()
 
 
 def start_build(session: pytest.Session) -> None:
-    """Start the image's build now if a collected test needs it."""
-    if any("image" in getattr(item, "fixturenames", ()) for item in session.items):
-        session.config.stash[BUILD] = Build()
+    """Start the image's build now if a collected test needs it and tests will run
+    (not with --collect-only, after a collection error, or on an xdist worker, where
+    each worker would build its own: there the fixture builds)."""
+    config = session.config
+    if (config.option.collectonly or session.testsfailed or hasattr(config, "workerinput")
+            or not any("image" in getattr(item, "fixturenames", ()) for item in session.items)):
+        return
+    config.stash[BUILD] = Build()
 
 
 def stop_build(session: pytest.Session) -> None:
