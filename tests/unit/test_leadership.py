@@ -205,8 +205,11 @@ def test_a_commit_is_logged_at_its_publication_even_when_logged_late(
 
     def stopped_before_commit_lines(kind: str, t: float | None = None, **fields: object) -> None:
         if kind == "commit":
-            logged_from.append(time.time())
-            time.sleep(0.2)  # the stop
+            stopped_at = time.time()
+            logged_from.append(stopped_at)
+            # The stop: the line is written only once the clock has moved past it.
+            while time.time() <= stopped_at:
+                pass
         emit(kind, t, **fields)
 
     monkeypatch.setattr(engine.events, "emit", stopped_before_commit_lines)
