@@ -569,11 +569,14 @@ class Cluster(abc.ABC, Generic[H]):
         self.events.emit("process_start", role=role, name=name, **ident)
 
     def _exited(self, slot: LearnerSlot[H], process: H, code: int, **ident: Any) -> None:
-        """A learner's process ended: its `process_exit` event and its state."""
+        """A learner's process ended: its `process_exit` event and its state. One the
+        harness killed stays `killed` (its restart or a spare comes); one that ended by
+        itself while under a fault (straggling, say, when its last step came before
+        the fault's end) is done like any other."""
         self.events.emit("process_exit", name=slot.learner_id, code=code, **ident)
         if process is slot.process:
             slot.exit_codes.append(code)
-            if slot.state == "running":
+            if slot.state != "killed":
                 slot.state = "done" if code == 0 else f"exited {code}"
 
     # -- the end ----------------------------------------------------------------

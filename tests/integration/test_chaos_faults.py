@@ -178,6 +178,25 @@ def assert_ha_traces(kind: str, events: list[dict[str, Any]], faults: list[dict[
                    for e in events)
 
 
+# Learner-0 straggles from 2.5 s until 52.5 s, long after its last step.
+STRAGGLING_TO_THE_END = EXPERIMENT.format(
+    kind="straggle", target="learner-0", duration=50, top="", coordinator="", steps=900,
+    learners="", etcd="", checks="", extra="duty = 0.3")
+
+
+def test_a_learner_that_finishes_while_straggling_ends_the_run(tmp_path: Path) -> None:
+    """The run ends when its learners are done, not at max_duration_s, when one of
+    them took its last step under a fault that had not ended yet."""
+    events, summary = run(tmp_path, "straggling", STRAGGLING_TO_THE_END)
+    assert all(check["passed"] for check in summary["checks"]), summary["checks"]
+    stop = next(e for e in events if e["kind"] == "run_stop")
+    assert stop["reason"] == "learners finished", stop
+    exits = [e for e in events if e["kind"] == "process_exit" and e["name"] == "learner-0"]
+    assert [e["code"] for e in exits] == [0]
+    faults = [e["action"] for e in events if e["kind"] == "fault" and e["fault"] == "straggle"]
+    assert faults == ["inject"], "the straggle was to outlast the learner"
+
+
 # About a second per fragment pushed (1 KiB each): the kill finds a push on the wire.
 MID_PUSH = EXPERIMENT.format(
     kind="kill_learner", target="learner-0", duration=2, top="", coordinator="", steps=600,
