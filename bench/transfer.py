@@ -21,6 +21,12 @@ reference, a bare grpcio asyncio server in its own process echoes the same bytes
 `bytes` messages of the same chunk size (no protobuf, no numpy, no daemon): the ceiling any
 Python gRPC service reaches here, which separates the library's cost from the daemon's.
 
+With `--tls` the timed rounds run again against a daemon that requires client
+certificates (`tls_ratio`: TLS against plaintext), and the raw socket server runs over TLS
+with the bulk port's own contexts (`protos.tls`): `tls_socket_ratio`, the same raw round
+trip over TLS against plaintext, is what the encryption alone costs these bytes here, the
+ceiling of `tls_ratio` on this machine.
+
 Run from the repository root: `python -m bench.transfer [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
@@ -289,44 +295,69 @@ class BenchLearner:
 
 _RAW_SERVER = r"""
 import socket, sys
+context = None
+if len(sys.argv) > 1:  # a TLS config: the bulk port's own context (protos.tls)
+    from protos import tls
+    context = tls.server_context(tls.load(tls.TlsConfig(*sys.argv[1:4])))
 server = socket.create_server(("127.0.0.1", 0))
 print(server.getsockname()[1], flush=True)
 buffer = bytearray()
+
+
+def receive(conn, view):
+    got = 0
+    while got < view.nbytes:
+        n = conn.recv_into(view[got:], min(view.nbytes - got, 64 << 20))
+        if n == 0:
+            sys.exit("client went away")
+        got += n
+
+
 while True:
     conn, _ = server.accept()
+    if context is not None:
+        conn = context.wrap_socket(conn, server_side=True)
     with conn:
-        size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+        head = memoryview(bytearray(8))
+        receive(conn, head)
+        size = int.from_bytes(head, "little")
         if size == 0:
             break
         if len(buffer) < size:
             buffer = bytearray(size)
         view = memoryview(buffer)[:size]
-        got = 0
-        while got < size:
-            n = conn.recv_into(view[got:], min(size - got, 64 << 20))
-            if n == 0:
-                sys.exit("client went away")
-            got += n
+        receive(conn, view)
         conn.sendall(view)
 """
 
 
 class RawServer:
-    """A plain TCP echo-after-receive server in its own process."""
+    """A TCP echo-after-receive server in its own process; over TLS, with the bulk
+    port's context, when given the coordinator's and a learner's TLS configs."""
 
-    def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", _RAW_SERVER],
+    def __init__(self, server_tls: tls.TlsConfig | None = None,
+                 client_tls: tls.TlsConfig | None = None) -> None:
+        files = [] if server_tls is None else [server_tls.cert, server_tls.key, server_tls.ca]
+        self.process = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, *files],
                                         stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         self.port = int(self.process.stdout.readline())
+        material = tls.load(client_tls)
+        self.context = None if material is None else tls.client_context(material)
+
+    def connect(self, via: tuple[str, int] | None = None) -> socket.socket:
+        conn = socket.create_connection(via or ("127.0.0.1", self.port))
+        if self.context is None:
+            return conn
+        return self.context.wrap_socket(conn, server_hostname="127.0.0.1")
 
     def roundtrip(self, payload: memoryview, into: memoryview,
                   via: tuple[str, int] | None = None) -> float:
         """Send `payload` up and receive it back into `into` (through `via`, a proxy in
-        front of this server, when given); returns seconds."""
+        front of this server, when given); returns seconds, the TLS handshake included."""
         size = payload.nbytes
         started = time.perf_counter()
-        with socket.create_connection(via or ("127.0.0.1", self.port)) as conn:
+        with self.connect(via) as conn:
             conn.sendall(size.to_bytes(8, "little"))
             conn.sendall(payload)
             got = 0
@@ -338,7 +369,7 @@ class RawServer:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        with socket.create_connection(("127.0.0.1", self.port)) as conn:
+        with self.connect() as conn:
             conn.sendall((0).to_bytes(8, "little"))
         self.process.wait(timeout=10)
 
@@ -579,23 +610,35 @@ async def daemon_transfer(address: str, sizes: list[int], theta: Floats, delta: 
 
 
 def secure_transfer(tmp: Path, args: argparse.Namespace, sizes: list[int], theta: Floats,
-                    delta: Floats) -> dict[str, Any]:
-    """The timed rounds again, against a daemon that requires client certificates."""
+                    delta: Floats, sink: Floats) -> dict[str, Any]:
+    """The timed rounds again, against a daemon that requires client certificates, and
+    the raw socket's round trips over TLS with the bulk port's own contexts before and
+    after them: what TLS alone costs these bytes here, the ceiling of `tls_ratio`."""
     log("the same rounds over mutual TLS")
     make_certificates(tmp / "certs", [], ["bench-learner"])
     files = {stem: tls.TlsConfig(cert=str(tmp / "certs" / f"{stem}.pem"),
                                  key=str(tmp / "certs" / f"{stem}.key"),
                                  ca=str(tmp / "certs" / "ca.pem"))
              for stem in ("coordinator", "learner-bench-learner")}
-    with daemon_environment(args.daemon_env):
-        daemon = Daemon(state_dir=tmp / "state-tls", args=[
-            "--set", "fsync=false", *tls.as_flags(files["coordinator"])]).start()
+    server = RawServer(files["coordinator"], files["learner-bench-learner"])
     try:
-        return asyncio.run(daemon_transfer(
-            daemon.address, sizes, theta, delta, args.chunk_bytes, args.rounds, 0,
-            tls.load(files["learner-bench-learner"])))
+        raw_runs(server, delta, sink, 1)
+        before = raw_runs(server, delta, sink, args.raw_repeats)
+        log(f"  raw socket over TLS: {2 * delta.nbytes / min(before) / MB:.0f} MB/s")
+        with daemon_environment(args.daemon_env):
+            daemon = Daemon(state_dir=tmp / "state-tls", args=[
+                "--set", "fsync=false", *tls.as_flags(files["coordinator"])]).start()
+        try:
+            result = asyncio.run(daemon_transfer(
+                daemon.address, sizes, theta, delta, args.chunk_bytes, args.rounds, 0,
+                tls.load(files["learner-bench-learner"])))
+        finally:
+            daemon.stop()
+        after = raw_runs(server, delta, sink, args.raw_repeats)
+        log(f"  raw socket over TLS again: {2 * delta.nbytes / min(after) / MB:.0f} MB/s")
     finally:
-        daemon.stop()
+        server.close()
+    return {**result, "socket": raw_summary(delta.nbytes, before, after)}
 
 
 def tls_best(result: dict[str, Any]) -> dict[str, Any]:
@@ -785,8 +828,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      args.codec_rounds))
             finally:
                 daemon.stop()
-            secured = (secure_transfer(Path(tmp), args, sizes, theta, delta) if args.tls
-                       else None)
+            secured = (secure_transfer(Path(tmp), args, sizes, theta, delta, sink)
+                       if args.tls else None)
         log("reference: bare gRPC echo of raw bytes messages (no protobuf, no daemon)")
         floor = measure_grpc_floor(delta, sink, args.chunk_bytes, args.raw_repeats)
         log(f"  {floor['mb_s']:.0f} MB/s")
@@ -828,7 +871,12 @@ def main(argv: list[str] | None = None) -> None:
             "tls_ratio": tls_best(secured)["mb_s"] / best["mb_s"],
             "tls_target": 0.8,
             "tls_mb_s": tls_best(secured)["mb_s"],
-            "tls_sequential": secured["sequential"], "tls_concurrent": secured["concurrent"]}),
+            "tls_sequential": secured["sequential"], "tls_concurrent": secured["concurrent"],
+            # The same raw socket over TLS against plaintext: what OpenSSL through Python's
+            # ssl costs these bytes on this machine, whatever the daemon does.
+            "tls_socket_ratio": secured["socket"]["mb_s"] / raw["mb_s"],
+            "tls_vs_tls_socket": tls_best(secured)["mb_s"] / secured["socket"]["mb_s"],
+            "tls_socket": secured["socket"]}),
         "daemon_env": args.daemon_env,
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     })
