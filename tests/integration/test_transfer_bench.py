@@ -18,4 +18,6 @@ def test_transfer_bench_small_runs_to_its_json_line() -> None:
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["name"] == "transfer" and result["target"] == 0.7
     assert result["ratio"] > 0 and result["tls_ratio"] > 0
+    # The raw socket over TLS ran with the bulk port's contexts, and echoed intact.
+    assert result["tls_socket_ratio"] > 0 and result["tls_socket"]["bytes_up"] == 8_000_000
     assert set(result["codecs"]) == {"fp32", "bf16", "int8", "e3m0"}
