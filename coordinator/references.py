@@ -95,20 +95,25 @@ class References:
 
     def _advance(self, chain: _Chain, codec: Codec, published: Published) -> _Chain:
         """The chain at `published`: the compressed change from its reference, and the
-        reference plus that change decoded, as a learner computes it."""
-        change = np.subtract(published.params, chain.values, dtype=np.float32)
+        reference plus that change decoded, as a learner computes it. Chunk by chunk
+        through one chunk's scratch: the change of a whole fragment is never held, so
+        each advance allocates only the new reference."""
+        old, values = chain.values, np.empty_like(chain.values)
         step = chunk_elements(codec, self.chunk_bytes)
+        scratch = np.empty(min(step, old.size), dtype=np.float32)
         delta = []
-        for offset in range(0, change.size, step):
-            part = change[offset:offset + step]
+        for offset in range(0, old.size, step):
+            end = min(offset + step, old.size)
+            part = np.subtract(published.params[offset:end], old[offset:end],
+                               out=scratch[:end - offset], dtype=np.float32)
             data, scale = codec.encode(part)
             codec.decode_into(data, scale, part)  # what the learner will decode
+            add_delta(old[offset:end], part, out=values[offset:end])
             delta.append((offset, part.size, scale, data))
         # k deltas cost k·bits per element; beyond 32 bits fp32 is the cheaper answer.
         kept = max(1, 32 // codec.bits - 1)
         steps = (*chain.steps, Step(chain.reference, tuple(delta)))[-kept:]
-        return _Chain(published.version, published.commit_id, new_commit_id(),
-                      add_delta(chain.values, change), steps)
+        return _Chain(published.version, published.commit_id, new_commit_id(), values, steps)
 
 
 def _lost(chain: _Chain, published: Published) -> bool:

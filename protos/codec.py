@@ -394,11 +394,11 @@ def _blockwise(values: Floats, encode_block: Callable[[Floats], bytes]) -> bytes
     return b"".join([encode_block(values[start : start + _BLOCK]) for start in blocks])
 
 
-def add_delta(reference: Floats, decoded: Floats) -> Floats:
-    """A reference plus a decoded delta, as a new vector: one fp32 addition, the same in
-    the coordinator and in every learner that pulls deltas, so their copies agree bit
-    for bit."""
-    return np.add(reference, decoded, dtype=np.float32)
+def add_delta(reference: Floats, decoded: Floats, out: Floats | None = None) -> Floats:
+    """A reference plus a decoded delta, as a new vector (or into `out`): one fp32
+    addition, the same in the coordinator and in every learner that pulls deltas, so
+    their copies agree bit for bit."""
+    return np.add(reference, decoded, out=out, dtype=np.float32)
 
 
 def norm_sq(values: Floats) -> float:
