@@ -340,7 +340,7 @@ class Cluster(abc.ABC, Generic[H]):
     def _pause_learner_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
         slot = self._slot(action.target)
         self.freeze(slot, not action.heal)
-        slot.state = self._back_to_running(slot) if action.heal else "paused"
+        slot.state = self._back_to_running(slot) if action.heal else self._under(slot, "paused")
         return ""
 
     def _straggle_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
@@ -353,13 +353,14 @@ class Cluster(abc.ABC, Generic[H]):
         slot.straggler = threading.Event()
         threading.Thread(target=self._duty_cycle,
                          args=(slot, action.fault.duty, slot.straggler), daemon=True).start()
-        slot.state = "straggling"
+        slot.state = self._under(slot, "straggling")
         return ""
 
     def _partition_learner_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
         slot = self._slot(action.target)
         self.partition_learner(slot, action.heal)
-        slot.state = self._back_to_running(slot) if action.heal else "partitioned"
+        slot.state = (self._back_to_running(slot) if action.heal
+                      else self._under(slot, "partitioned"))
         return ""
 
     def _link_fault(self, action: Action, occurrence: tuple[int, int]) -> str:
@@ -399,6 +400,12 @@ class Cluster(abc.ABC, Generic[H]):
     def _back_to_running(slot: LearnerSlot[H]) -> str:
         """A healed learner's state: running again, unless it ended meanwhile."""
         return "running" if slot.running else slot.state
+
+    @staticmethod
+    def _under(slot: LearnerSlot[H], fault_state: str) -> str:
+        """A learner's state as a fault begins: the fault's while its process runs; one
+        that has ended (done, exited, killed and waiting for its restart) keeps its own."""
+        return fault_state if slot.running else slot.state
 
     def _take_over(self, slot: LearnerSlot[H], occurrence: tuple[int, int]) -> None:
         """A killed learner's slot goes to a warm spare now: its down time ends here,
@@ -497,7 +504,8 @@ class Cluster(abc.ABC, Generic[H]):
         began = time.monotonic()
         detail = self.partition(target, cut_from, action.heal, occurrence)
         if slot is not None:
-            slot.state = self._back_to_running(slot) if action.heal else "partitioned"
+            slot.state = (self._back_to_running(slot) if action.heal
+                          else self._under(slot, "partitioned"))
         extra: dict[str, Any] = {} if epoch is None else {"epoch": epoch}
         # took_s: how long the backend took to cut or mend (docker starts helpers).
         self.events.emit("fault", fault=fault.kind, target=target,
@@ -586,8 +594,15 @@ class Cluster(abc.ABC, Generic[H]):
         """Every learner has run out of steps (none down waiting for a restart), and
         every adversary has sent its last attack (each sends every kind at least once,
         which the checks look for, however slowly it started)."""
-        return (all(s.state == "done" or s.state.startswith("exited") for s in self.learners)
-                and not self.adversaries_running())
+        return all(self._ended(s) for s in self.learners) and not self.adversaries_running()
+
+    @staticmethod
+    def _ended(slot: LearnerSlot[H]) -> bool:
+        """Done or exited; or under a fault's state with its process ended (a fault that
+        began as the process ended can leave its state behind): the exit decides."""
+        if slot.state == "done" or slot.state.startswith("exited"):
+            return True
+        return slot.state not in ("killed", "running", "starting") and not slot.running
 
     def stop(self, reason: str) -> None:
         """Stop everything started, politely first; safe to call more than once."""
