@@ -124,9 +124,12 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
         kill.)"""
         deadline = time.monotonic() + timeout_s
         for spare in self.spares:
-            spare.ready.wait(max(deadline - time.monotonic(), 0.0))
-        self.events.emit("topology_ready",
-                         waiting_for=[f"spare {s.pid}" for s in self.spares if s.ready.is_set()])
+            # A spare that died warming is not waited for (kills then find no warm one).
+            while (spare.alive and not spare.ready.wait(0.1)
+                   and time.monotonic() < deadline):
+                pass
+        self.events.emit("topology_ready", waiting_for=[
+            f"spare {s.pid}" for s in self.spares if not s.ready.is_set()])
 
     def _start_replicas(self) -> None:
         assert self.etcd is not None
