@@ -24,8 +24,9 @@ Python gRPC service reaches here, which separates the library's cost from the da
 With `--tls` the timed rounds run again against a daemon that requires client
 certificates (`tls_ratio`: TLS against plaintext), and the raw socket server runs over TLS
 with the bulk port's own contexts (`protos.tls`): `tls_socket_ratio`, the same raw round
-trip over TLS against plaintext, is what the encryption alone costs these bytes here, the
-ceiling of `tls_ratio` on this machine.
+trip over TLS against plaintext, is what the encryption alone costs these bytes here, and
+`tls_vs_tls_socket` what the daemon makes of the TLS socket (as `ratio` says what it makes
+of the plaintext one).
 
 Run from the repository root: `python -m bench.transfer [--params N] [--fragments P]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
@@ -337,13 +338,15 @@ class RawServer:
 
     def __init__(self, server_tls: tls.TlsConfig | None = None,
                  client_tls: tls.TlsConfig | None = None) -> None:
+        if (server_tls is None) != (client_tls is None):
+            raise ValueError("over TLS the raw server needs both sides' configs")
+        material = tls.load(client_tls)
+        self.context = None if material is None else tls.client_context(material)
         files = [] if server_tls is None else [server_tls.cert, server_tls.key, server_tls.ca]
         self.process = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, *files],
                                         stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         self.port = int(self.process.stdout.readline())
-        material = tls.load(client_tls)
-        self.context = None if material is None else tls.client_context(material)
 
     def connect(self, via: tuple[str, int] | None = None) -> socket.socket:
         conn = socket.create_connection(via or ("127.0.0.1", self.port))
@@ -369,9 +372,15 @@ class RawServer:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        with self.connect() as conn:
-            conn.sendall((0).to_bytes(8, "little"))
-        self.process.wait(timeout=10)
+        """Stop the server; killed when it will not stop (it died, or hangs), so that
+        it never outlives the benchmark nor hides the error that brought us here."""
+        try:
+            with self.connect() as conn:
+                conn.sendall((0).to_bytes(8, "little"))
+            self.process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+            self.process.wait()
 
 
 def raw_runs(server: RawServer, delta: Floats, sink: Floats, repeats: int) -> list[float]:
@@ -613,7 +622,7 @@ def secure_transfer(tmp: Path, args: argparse.Namespace, sizes: list[int], theta
                     delta: Floats, sink: Floats) -> dict[str, Any]:
     """The timed rounds again, against a daemon that requires client certificates, and
     the raw socket's round trips over TLS with the bulk port's own contexts before and
-    after them: what TLS alone costs these bytes here, the ceiling of `tls_ratio`."""
+    after them: what TLS alone costs these bytes here."""
     log("the same rounds over mutual TLS")
     make_certificates(tmp / "certs", [], ["bench-learner"])
     files = {stem: tls.TlsConfig(cert=str(tmp / "certs" / f"{stem}.pem"),
@@ -621,6 +630,7 @@ def secure_transfer(tmp: Path, args: argparse.Namespace, sizes: list[int], theta
                                  ca=str(tmp / "certs" / "ca.pem"))
              for stem in ("coordinator", "learner-bench-learner")}
     server = RawServer(files["coordinator"], files["learner-bench-learner"])
+    sink.fill(0.0)  # what the plaintext echo left there must not pass for this one's
     try:
         raw_runs(server, delta, sink, 1)
         before = raw_runs(server, delta, sink, args.raw_repeats)
@@ -793,7 +803,8 @@ def main(argv: list[str] | None = None) -> None:
                              "MALLOC_TRIM_THRESHOLD_=1073741824 (repeatable)")
     parser.add_argument("--tls", action="store_true",
                         help="also run the rounds against a daemon serving mutual TLS, with "
-                             "certificates made for the run, and report tls_ratio")
+                             "certificates made for the run, and the raw socket over TLS: "
+                             "report tls_ratio and tls_socket_ratio")
     parser.add_argument("--raw-repeats", type=int, default=2,
                         help="raw-socket round trips before and after the daemon's; the best "
                              "counts (default 2 each)")
