@@ -24,8 +24,9 @@ With `min_quorum = "auto"` each round chooses its own quorum K when it opens
 (`choose_quorum`): the K that maximises estimated progress per second, progress
 `1 / (1 + ν/K)` for a noise ratio ν = σ²/‖g‖² estimated from what rounds merged
 (the merged outer gradient's squared norm against the contributions' own, an
-EWMA), time from the live learners' recent push intervals (each one's median,
-not its mean): a round of K waits for the K-th fastest.
+EWMA; a fragment that has not measured its own yet takes the others'), time
+from the live learners' recent push intervals (each one's median, not its mean):
+a round of K waits for the K-th fastest.
 
 With `sync_every = "auto"` a learner takes its H, the local steps between two
 pushes of a fragment, from the coordinator (`choose_sync_every`): every such
@@ -773,8 +774,20 @@ class Policy:
         typical = known[len(known) // 2] if known else 0.0
         cycles = sorted(typical if i is None else i for i in intervals) or [0.0]
         ceiling = self.config.min_quorum_max or len(cycles)
-        choice = choose_quorum(_noise_ratio(frag), cycles, frag.sync_time_s or 0.0, ceiling)
+        choice = choose_quorum(self._round_noise_ratio(frag), cycles, frag.sync_time_s or 0.0,
+                               ceiling)
         return choice.quorum, choice
+
+    def _round_noise_ratio(self, frag: _Fragment) -> float | None:
+        """The fragment's ν; before it has measured its own, the median of the others'
+        (slices of one model's outer gradient), so that only the run's first rounds
+        wait for two to measure it, not every fragment's first."""
+        own = _noise_ratio(frag)
+        if own is not None:
+            return own
+        measured = sorted(nu for f in self._fragments.values()
+                          if (nu := _noise_ratio(f)) is not None)
+        return measured[len(measured) // 2] if measured else None
 
     def _grace(self, frag: _Fragment, quorum_wait: float, now: float) -> float:
         live = [self._learners[lid] for lid in self.live_learners(now)]

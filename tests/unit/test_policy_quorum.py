@@ -105,6 +105,24 @@ def test_noise_is_measured_from_a_merged_round() -> None:
     assert policy.noise_ratio(0) == pytest.approx(4.0)
 
 
+def test_a_fragment_takes_the_others_noise_before_it_has_its_own() -> None:
+    """Only the run's first round waits for two to measure ν, not every fragment's."""
+    config = PolicyConfig(min_quorum="auto", grace_max_s=0.0, staleness_exponent=0.0,
+                          heartbeat_timeout_s=1e3)
+    policy = Policy(config, versions={0: 0, 1: 0})
+    for lid in ("a", "b", "c", "d"):
+        policy.join(lid, 0.0)
+    for lid in ("a", "b"):
+        admission = policy.admit(make_offer(lid, fragment=0), 1.0)
+        policy.accept(admission, 1.0, norm_sq=5.0)
+    closed = policy.close(0, 1.0)
+    assert closed.choice is not None and closed.choice.noise_ratio is None
+    policy.record_merge(0, closed.version, 3.0)  # ν = 4, as above
+    policy.accept(policy.admit(make_offer("a", fragment=1, seq=2), 2.0), 2.0, norm_sq=5.0)
+    assert policy.round_quorum(1) == choose_quorum(4.0, [0.0] * 4, 0.0, 4).quorum == 4
+    assert policy.noise_ratio(1) is None  # borrowed for the choice, not its own
+
+
 def test_a_round_of_one_learner_measures_no_noise() -> None:
     policy = auto(("a",))
     round_of(policy, 1.0, {"a": 5.0}, seq=1)
