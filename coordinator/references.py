@@ -16,8 +16,12 @@ itself, in fp32, and can take deltas from then on.
 A chain starts from the committed values themselves (no copy: published arrays are never
 written) and advances on the first pull that finds a newer version; versions nobody pulled
 in between fold into one delta. A chain whose version was lost (another commit id under its
-number, or the coordinator behind it) starts again. Called by `coordinator.service` on the
-pull path, in a worker thread: encoding a fragment is numpy work.
+number, or the coordinator behind it) starts again. An advance runs in a thread of its own
+and hands out each delta chunk as it is encoded: the pull that started it, and any other
+pull of the same step, streams the chunks done while the rest are encoded, so the change's
+encoding overlaps the link instead of preceding it. Called by `coordinator.service` on the
+pull path, in a worker thread: deciding is quick, and only a pull answered with the
+reference's fp32 values waits for the advance to finish.
 """
 
 from __future__ import annotations
@@ -35,12 +39,59 @@ from protos.codec import Codec, add_delta, chunk_elements
 Encoded = tuple[int, int, float, bytes]
 
 
-@dataclass(frozen=True)
-class Step:
-    """One advance of a chain: the reference it went from, and the delta."""
+class AdvanceFailed(RuntimeError):
+    """The advance a pull was streaming from stopped; the chain starts again at the next
+    pull, and this one fails (its learner pulls again)."""
 
-    base_reference: int
-    delta: tuple[Encoded, ...]
+
+class Step:
+    """One advance of a chain: the reference it went from, and the delta's chunks as its
+    thread encodes them, oldest first."""
+
+    def __init__(self, base_reference: int) -> None:
+        self.base_reference = base_reference
+        self._chunks: list[Encoded] = []
+        self._complete = False
+        self._failure: BaseException | None = None
+        self._changed = threading.Condition()
+
+    @property
+    def complete(self) -> bool:
+        """Every chunk is encoded: `chunk` no longer waits."""
+        with self._changed:
+            return self._complete
+
+    def chunk(self, index: int) -> Encoded | None:
+        """Chunk `index` of the delta, waiting while it is encoded; None past the last.
+        Blocking while the advance runs: call it in a thread until `complete`."""
+        with self._changed:
+            self._changed.wait_for(lambda: index < len(self._chunks) or self._complete
+                                   or self._failure is not None)
+            if index < len(self._chunks):
+                return self._chunks[index]
+            self._raise_failure()
+            return None
+
+    def wait(self) -> None:
+        """Until the advance is done, so the reference it writes is whole (blocking)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._complete or self._failure is not None)
+            self._raise_failure()
+
+    def _add(self, chunk: Encoded) -> None:
+        with self._changed:
+            self._chunks.append(chunk)
+            self._changed.notify_all()
+
+    def _finish(self, failure: BaseException | None = None) -> None:
+        with self._changed:
+            self._complete, self._failure = failure is None, failure
+            self._changed.notify_all()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise AdvanceFailed(f"the reference's advance stopped: {self._failure!r}") \
+                from self._failure
 
 
 @dataclass(frozen=True)
@@ -58,9 +109,11 @@ class _Chain:
     version: int
     commit_id: int
     reference: int
+    # Written by `filling`'s thread until it completes; never again after.
     values: np.ndarray
     # The latest advances, oldest first: as many as are smaller together than fp32.
     steps: tuple[Step, ...] = ()
+    filling: Step | None = None
 
 
 class References:
@@ -75,8 +128,9 @@ class References:
     def serve(self, fragment: int, codec: Codec, published: Published,
               have_reference: int) -> Served:
         """What a pull of `published` with `codec` gets, the learner holding the reference
-        `have_reference` (0: none; its id names its version too). Blocking: run it in a
-        thread."""
+        `have_reference` (0: none; its id names its version too). Deltas may still be
+        encoding (`Step.chunk` waits for each); fp32 values are whole. Blocking: run it
+        in a thread."""
         key = (fragment, codec.name)
         with self._guard:
             lock = self._locks.setdefault(key, threading.Lock())
@@ -86,34 +140,57 @@ class References:
                 chain = _Chain(published.version, published.commit_id, new_commit_id(),
                                published.params)
             elif chain.version < published.version:
-                chain = self._advance(chain, codec, published)
+                chain = self._advance(key, lock, chain, codec, published)
             self._chains[key] = chain
         for i, step in enumerate(chain.steps):
             if have_reference == step.base_reference:
                 return Served(chain.reference, None, chain.steps[i:])
+        if chain.filling is not None:
+            chain.filling.wait()
         return Served(chain.reference, chain.values)
 
-    def _advance(self, chain: _Chain, codec: Codec, published: Published) -> _Chain:
-        """The chain at `published`: the compressed change from its reference, and the
-        reference plus that change decoded, as a learner computes it. Chunk by chunk
-        through one chunk's scratch: the change of a whole fragment is never held, so
-        each advance allocates only the new reference."""
-        old, values = chain.values, np.empty_like(chain.values)
-        step = chunk_elements(codec, self.chunk_bytes)
-        scratch = np.empty(min(step, old.size), dtype=np.float32)
-        delta = []
-        for offset in range(0, old.size, step):
-            end = min(offset + step, old.size)
-            part = np.subtract(published.params[offset:end], old[offset:end],
-                               out=scratch[:end - offset], dtype=np.float32)
-            data, scale = codec.encode(part)
-            codec.decode_into(data, scale, part)  # what the learner will decode
-            add_delta(old[offset:end], part, out=values[offset:end])
-            delta.append((offset, part.size, scale, data))
+    def _advance(self, key: tuple[int, str], lock: threading.Lock, chain: _Chain,
+                 codec: Codec, published: Published) -> _Chain:
+        """The chain at `published`, its delta and reference filled in by a thread of its
+        own (`_fill`)."""
+        step = Step(chain.reference)
         # k deltas cost k·bits per element; beyond 32 bits fp32 is the cheaper answer.
         kept = max(1, 32 // codec.bits - 1)
-        steps = (*chain.steps, Step(chain.reference, tuple(delta)))[-kept:]
-        return _Chain(published.version, published.commit_id, new_commit_id(), values, steps)
+        advanced = _Chain(published.version, published.commit_id, new_commit_id(),
+                          np.empty_like(chain.values), (*chain.steps, step)[-kept:], step)
+        threading.Thread(target=self._fill, args=(key, lock, chain, advanced, codec, published),
+                         name=f"reference-{key[0]}-{key[1]}", daemon=True).start()
+        return advanced
+
+    def _fill(self, key: tuple[int, str], lock: threading.Lock, chain: _Chain,
+              advanced: _Chain, codec: Codec, published: Published) -> None:
+        """The compressed change from `chain`'s reference to `published`, and the
+        reference plus that change decoded, as a learner computes it. Chunk by chunk
+        through one chunk's scratch: the change of a whole fragment is never held, and
+        each chunk is served as soon as it is encoded."""
+        step = advanced.filling
+        assert step is not None
+        try:
+            if chain.filling is not None:
+                chain.filling.wait()  # the reference this one starts from
+            old, values = chain.values, advanced.values
+            size = chunk_elements(codec, self.chunk_bytes)
+            scratch = np.empty(min(size, old.size), dtype=np.float32)
+            for offset in range(0, old.size, size):
+                end = min(offset + size, old.size)
+                part = np.subtract(published.params[offset:end], old[offset:end],
+                                   out=scratch[:end - offset], dtype=np.float32)
+                data, scale = codec.encode(part)
+                codec.decode_into(data, scale, part)  # what the learner will decode
+                add_delta(old[offset:end], part, out=values[offset:end])
+                step._add((offset, part.size, scale, data))
+        except BaseException as exc:
+            with lock:
+                if self._chains.get(key) is advanced:
+                    del self._chains[key]  # the next pull starts the chain again
+            step._finish(exc)  # each pull streaming it fails with it
+            return
+        step._finish()
 
 
 def _lost(chain: _Chain, published: Published) -> bool:

@@ -272,16 +272,23 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
     async def _stream_delta(self, learner_id: str, fragment: int, published: Published,
                             codec: Codec, served: Served) -> AsyncIterator[pb.PullMessage]:
         """The changes to the learner's reference, in order, as the chunks encoded at
-        the chain's advances: on the call, since compressed they are a fraction of the
-        values."""
+        the chain's advances, each sent as soon as it is encoded: on the call, since
+        compressed they are a fraction of the values."""
         yield self._pull_header(learner_id, fragment, published, codec=codec.wire,
                                 delta=True, deltas=len(served.deltas),
                                 reference=served.reference)
         for step in served.deltas:
-            for offset, count, scale, data in step.delta:
+            index = 0
+            while (encoded := step.chunk(index) if step.complete
+                   else await asyncio.to_thread(step.chunk, index)) is not None:
+                offset, count, scale, data = encoded
                 self.engine.count_sent(len(data))
-                yield pb.PullMessage(chunk=pb.Chunk(offset=offset, count=count, scale=scale,
-                                                    data=data))
+                message = pb.PullMessage()
+                # Filled in place: a built Chunk would cost upb a serialise and a parse.
+                message.chunk.offset, message.chunk.count = offset, count
+                message.chunk.scale, message.chunk.data = scale, data
+                yield message
+                index += 1
         self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
 
     async def _send_bulk(self, learner_id: str, fragment: int, published: Published,

@@ -6,12 +6,13 @@ new chain."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from coordinator.references import References, Served
+from coordinator.references import AdvanceFailed, Encoded, References, Served, Step
 from coordinator.store import Published
 from protos.codec import BF16, E3M0, INT8, MIN_CHUNK_BYTES, Codec, add_delta
 
@@ -29,6 +30,14 @@ def published(version: int, params: np.ndarray, commit_id: int | None = None) ->
                      commit_id if commit_id is not None else 1000 + version)
 
 
+def encoded(step: Step) -> list[Encoded]:
+    """A step's chunks as a pull streams them, each waited for in turn."""
+    chunks: list[Encoded] = []
+    while (chunk := step.chunk(len(chunks))) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
 def rebuilt(codec: Codec, held: np.ndarray, served: Served) -> np.ndarray:
     """What the learner computes from deltas: each one's chunks decoded, then added in
     fp32, in order."""
@@ -36,7 +45,7 @@ def rebuilt(codec: Codec, held: np.ndarray, served: Served) -> np.ndarray:
     for step in served.deltas:
         decoded = np.empty_like(held)
         covered = 0
-        for offset, count, scale, data in step.delta:
+        for offset, count, scale, data in encoded(step):
             assert offset == covered
             codec.decode_into(data, scale, decoded[offset:offset + count])
             covered += count
@@ -60,7 +69,8 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
         current = published(version, theta.copy())
         served = references.serve(0, codec, current, reference)
         held = rebuilt(codec, held, served)
-        delta_bytes += sum(len(data) for step in served.deltas for *_, data in step.delta)
+        delta_bytes += sum(len(data) for step in served.deltas
+                           for *_, data in encoded(step))
         # A learner holding nothing gets the reference itself: the same bits.
         fresh = references.serve(0, codec, current, 0)
         assert fresh.reference == served.reference != reference
@@ -145,3 +155,58 @@ def test_a_lost_version_starts_a_new_chain(lost: str) -> None:
     served = references.serve(0, INT8, again, old.reference)
     assert served.reference != old.reference and served.values is not None
     np.testing.assert_array_equal(served.values, again.params)
+
+
+class GatedInt8(type(INT8)):  # type: ignore[misc]
+    """int8 whose encoder stops before chunk `stop_at` of each advance until released
+    (or raises there, with `fail`): an advance caught in the middle."""
+
+    def __init__(self, stop_at: int, fail: bool = False) -> None:
+        self.stop_at, self.fail = stop_at, fail
+        self.release = threading.Event()
+        self.calls = 0
+
+    def _encode(self, values: np.ndarray) -> tuple[bytes, float]:
+        self.calls += 1
+        if self.calls == self.stop_at + 1:
+            if self.fail:
+                raise MemoryError("no room for the chunk")
+            assert self.release.wait(5), "the test never released the encoder"
+        encoded: tuple[bytes, float] = super()._encode(values)
+        return encoded
+
+
+def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
+    references = References(MIN_CHUNK_BYTES)
+    codec = GatedInt8(stop_at=1)
+    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
+    start = references.serve(0, codec, published(0, theta.copy()), 0)
+    assert start.values is not None
+    served = references.serve(0, codec, published(1, theta * np.float32(1.5)),
+                              start.reference)
+    (step,) = served.deltas
+    assert step.chunk(0) is not None and not step.complete  # the first, the rest pending
+    # A version published meanwhile advances from the whole reference of the first.
+    later = references.serve(0, codec, published(2, theta * np.float32(2)), served.reference)
+    codec.release.set()
+    fresh = references.serve(0, codec, published(2, theta * np.float32(2)), 0)
+    assert fresh.values is not None and fresh.reference == later.reference
+    held = rebuilt(codec, rebuilt(codec, start.values, served), later)
+    np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
+
+
+def test_an_advance_that_fails_fails_its_pulls_and_the_chain_starts_again() -> None:
+    references = References(MIN_CHUNK_BYTES)
+    codec = GatedInt8(stop_at=1, fail=True)
+    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
+    start = references.serve(0, codec, published(0, theta.copy()), 0)
+    current = published(1, theta * np.float32(1.5))
+    served = references.serve(0, codec, current, start.reference)
+    (step,) = served.deltas
+    assert step.chunk(0) is not None
+    with pytest.raises(AdvanceFailed, match="no room for the chunk"):
+        step.chunk(1)
+    again = references.serve(0, codec, current, start.reference)
+    assert again.values is not None and not again.deltas  # a new chain, from the values
+    assert again.reference not in (start.reference, served.reference)
+    np.testing.assert_array_equal(again.values, current.params)
