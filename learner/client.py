@@ -511,13 +511,17 @@ class SynchronizerClient:
         elif base is None:
             await reader.read_into(lambda: anext(stream, None), values)
         else:
-            # Each delta in turn, added as the coordinator added it.
-            for _ in range(max(1, header.deltas)):
+            # Each delta in turn, added as the coordinator added it. The sums go into
+            # `values` in place (one fresh vector per pull, not one per delta and sum);
+            # deltas after the first decode into a scratch vector.
+            decoded = values
+            for index in range(max(1, header.deltas)):
+                if index == 1:
+                    decoded = np.empty_like(values)
                 reader = ChunkReader(header.numel, f"a delta of fragment {header.fragment}",
                                      codec)
-                await reader.read_into(lambda: anext(stream, None), values)
-                base = add_delta(base, values)
-            values = base
+                await reader.read_into(lambda: anext(stream, None), decoded)
+                base = add_delta(base, decoded, out=values)
         if header.reference:
             values.flags.writeable = False
             self.references[header.fragment] = (header.version, header.reference, values)
