@@ -243,9 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     log("reference: a plain socket, the fp32 bytes up and back through the same link")
     raw_runs = raw_through_link(delta, link, args.rounds)
     log(f"  {min(raw_runs):.2f} s (runs {', '.join(f'{r:.2f}' for r in raw_runs)})")
+    # Staging for every fragment at once (`limits.staging_bytes`; the default is two of
+    # them): one learner's pushes of all its fragments are in flight together over the
+    # link, and with two staging buffers the last two would wait for the first two.
+    settings = ["--set", "fsync=false", "--set", f"limits.staging_bytes={4 * sum(sizes)}"]
     with tempfile.TemporaryDirectory(prefix="ftsync-bench-wan-") as tmp:
         daemon = CoordinatorProcess(state_dir=Path(tmp) / "state",
-                                    args=["--set", "fsync=false"]).start()
+                                    args=settings).start()
         assert daemon.process is not None
         mirrored = [p for p in listening_ports(daemon.process.pid) if p != daemon.port]
         proxy = ProxyProcess(daemon.address, link, mirrored)
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             daemon.stop()
         log("reference: the same exchanges on loopback, no link (what the CPUs allow)")
         daemon = CoordinatorProcess(state_dir=Path(tmp) / "state-loopback",
-                                    args=["--set", "fsync=false"]).start()
+                                    args=settings).start()
         try:
             loopback = asyncio.run(run_link(daemon.address, None, sizes, theta, delta,
                                             args.chunk_bytes, args.rounds))
