@@ -26,6 +26,8 @@ reference's fp32 values waits for the advance to finish.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -54,23 +56,23 @@ class Step:
         self._complete = False
         self._failure: BaseException | None = None
         self._changed = threading.Condition()
+        # Pulls waiting on their event loop for the next chunk, woken from the advance's
+        # thread: a waiting pull holds no worker thread, however many learners pull.
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
-    @property
-    def complete(self) -> bool:
-        """Every chunk is encoded: `chunk` no longer waits."""
-        with self._changed:
-            return self._complete
-
-    def chunk(self, index: int) -> Encoded | None:
-        """Chunk `index` of the delta, waiting while it is encoded; None past the last.
-        Blocking while the advance runs: call it in a thread until `complete`."""
-        with self._changed:
-            self._changed.wait_for(lambda: index < len(self._chunks) or self._complete
-                                   or self._failure is not None)
-            if index < len(self._chunks):
-                return self._chunks[index]
-            self._raise_failure()
-            return None
+    async def chunk(self, index: int) -> Encoded | None:
+        """Chunk `index` of the delta, waiting while it is encoded; None past the last."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._changed:
+                if index < len(self._chunks):
+                    return self._chunks[index]
+                self._raise_failure()
+                if self._complete:
+                    return None
+                woken = loop.create_future()
+                self._waiting.append((loop, woken))
+            await woken
 
     def wait(self) -> None:
         """Until the advance is done, so the reference it writes is whole (blocking)."""
@@ -81,12 +83,19 @@ class Step:
     def _add(self, chunk: Encoded) -> None:
         with self._changed:
             self._chunks.append(chunk)
-            self._changed.notify_all()
+            self._wake_all()
 
     def _finish(self, failure: BaseException | None = None) -> None:
         with self._changed:
             self._complete, self._failure = failure is None, failure
-            self._changed.notify_all()
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        self._changed.notify_all()
+        waiting, self._waiting = self._waiting, []
+        for loop, woken in waiting:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                loop.call_soon_threadsafe(_wake, woken)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -129,8 +138,8 @@ class References:
               have_reference: int) -> Served:
         """What a pull of `published` with `codec` gets, the learner holding the reference
         `have_reference` (0: none; its id names its version too). Deltas may still be
-        encoding (`Step.chunk` waits for each); fp32 values are whole. Blocking: run it
-        in a thread."""
+        encoding (`Step.chunk` awaits each); fp32 values are whole. Blocking: run it in
+        a thread."""
         key = (fragment, codec.name)
         with self._guard:
             lock = self._locks.setdefault(key, threading.Lock())
@@ -191,6 +200,11 @@ class References:
             step._finish(exc)  # each pull streaming it fails with it
             return
         step._finish()
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():  # a pull cancelled while it waited leaves its future cancelled
+        woken.set_result(None)
 
 
 def _lost(chain: _Chain, published: Published) -> bool:

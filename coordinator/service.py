@@ -279,8 +279,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                                 reference=served.reference)
         for step in served.deltas:
             index = 0
-            while (encoded := step.chunk(index) if step.complete
-                   else await asyncio.to_thread(step.chunk, index)) is not None:
+            while (encoded := await step.chunk(index)) is not None:
                 offset, count, scale, data = encoded
                 self.engine.count_sent(len(data))
                 message = pb.PullMessage()

@@ -6,6 +6,7 @@ new chain."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -31,10 +32,14 @@ def published(version: int, params: np.ndarray, commit_id: int | None = None) ->
 
 
 def encoded(step: Step) -> list[Encoded]:
-    """A step's chunks as a pull streams them, each waited for in turn."""
+    """A step's chunks as a pull streams them, each awaited in turn. (Not the task's
+    result: asyncio.run takes the repr of its task, whole megabytes of chunk bytes.)"""
     chunks: list[Encoded] = []
-    while (chunk := step.chunk(len(chunks))) is not None:
-        chunks.append(chunk)
+
+    async def stream() -> None:
+        while (chunk := await step.chunk(len(chunks))) is not None:
+            chunks.append(chunk)
+    asyncio.run(stream())
     return chunks
 
 
@@ -185,7 +190,12 @@ def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
     served = references.serve(0, codec, published(1, theta * np.float32(1.5)),
                               start.reference)
     (step,) = served.deltas
-    assert step.chunk(0) is not None and not step.complete  # the first, the rest pending
+
+    async def first_then_pending() -> None:
+        assert await step.chunk(0) is not None  # the first chunk, while the rest is held
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(step.chunk(1), 0.05)
+    asyncio.run(first_then_pending())
     # A version published meanwhile advances from the whole reference of the first.
     later = references.serve(0, codec, published(2, theta * np.float32(2)), served.reference)
     codec.release.set()
@@ -203,9 +213,9 @@ def test_an_advance_that_fails_fails_its_pulls_and_the_chain_starts_again() -> N
     current = published(1, theta * np.float32(1.5))
     served = references.serve(0, codec, current, start.reference)
     (step,) = served.deltas
-    assert step.chunk(0) is not None
+    assert asyncio.run(step.chunk(0)) is not None
     with pytest.raises(AdvanceFailed, match="no room for the chunk"):
-        step.chunk(1)
+        asyncio.run(step.chunk(1))
     again = references.serve(0, codec, current, start.reference)
     assert again.values is not None and not again.deltas  # a new chain, from the values
     assert again.reference not in (start.reference, served.reference)
