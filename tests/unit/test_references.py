@@ -187,18 +187,26 @@ class GatedInt8(type(INT8)):  # type: ignore[misc]
         return encoded
 
 
-def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
+def gated_chain(fail: bool = False,
+                ) -> tuple[References, GatedInt8, np.ndarray, np.ndarray, int]:
+    """A chain at version 0 whose next advance holds (or fails) at its second chunk:
+    the references, the codec, θ, the reference's values and its id."""
     references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1)
+    codec = GatedInt8(stop_at=1, fail=fail)
     theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
     start = serve(references, 0, codec, published(0, theta.copy()), 0)
     assert start.values is not None
+    return references, codec, theta, start.values, start.reference
+
+
+def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
+    references, codec, theta, start_values, start_reference = gated_chain()
     first, second = (published(v, theta * np.float32(1 + v / 2)) for v in (1, 2))
     newest = first
 
     async def scenario() -> tuple[Served, Served]:
         nonlocal newest
-        served = await references.serve(0, codec, start.reference, lambda: newest)
+        served = await references.serve(0, codec, start_reference, lambda: newest)
         (step,) = served.deltas
         assert await step.chunk(0) is not None  # the first chunk, while the rest is held
         with pytest.raises(TimeoutError):
@@ -217,16 +225,12 @@ def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
     assert served.published is first and later.published is second
     fresh = serve(references, 0, codec, second, 0)
     assert fresh.values is not None and fresh.reference == later.reference
-    held = rebuilt(codec, rebuilt(codec, start.values, served), later)
+    held = rebuilt(codec, rebuilt(codec, start_values, served), later)
     np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
 
 
 def test_versions_published_during_an_advance_fold_into_the_next() -> None:
-    references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1)
-    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = serve(references, 0, codec, published(0, theta.copy()), 0)
-    assert start.values is not None
+    references, codec, theta, start_values, start_reference = gated_chain()
     versions = [published(v, theta * np.float32(1 + v)) for v in range(1, 6)]
     newest = versions[0]
 
@@ -235,7 +239,7 @@ def test_versions_published_during_an_advance_fold_into_the_next() -> None:
 
     async def scenario() -> list[Served]:
         nonlocal newest
-        first = await references.serve(0, codec, start.reference, latest)
+        first = await references.serve(0, codec, start_reference, latest)
         waiting = []
         for current in versions[1:]:  # four more versions while the first advance is held
             newest = current
@@ -248,7 +252,7 @@ def test_versions_published_during_an_advance_fold_into_the_next() -> None:
     first, *rest = asyncio.run(scenario())
     assert {served.published.version for served in rest} == {5}
     assert len({served.reference for served in rest}) == 1
-    held = rebuilt(codec, rebuilt(codec, start.values, first), rest[0])
+    held = rebuilt(codec, rebuilt(codec, start_values, first), rest[0])
     # Two advances, not five: every pull that waited got the newest version's one.
     assert codec.calls == 2 * 3  # three chunks each
     fresh = serve(references, 0, codec, versions[-1], 0)
@@ -257,32 +261,25 @@ def test_versions_published_during_an_advance_fold_into_the_next() -> None:
 
 
 def test_an_advance_that_fails_fails_its_pulls_and_the_chain_starts_again() -> None:
-    references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1, fail=True)
-    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = serve(references, 0, codec, published(0, theta.copy()), 0)
+    references, codec, theta, _, start_reference = gated_chain(fail=True)
     current = published(1, theta * np.float32(1.5))
-    served = serve(references, 0, codec, current, start.reference)
+    served = serve(references, 0, codec, current, start_reference)
     (step,) = served.deltas
     assert asyncio.run(step.chunk(0)) is not None
     with pytest.raises(AdvanceFailed, match="no room for the chunk"):
         asyncio.run(step.chunk(1))
-    again = serve(references, 0, codec, current, start.reference)
+    again = serve(references, 0, codec, current, start_reference)
     assert again.values is not None and not again.deltas  # a new chain, from the values
-    assert again.reference not in (start.reference, served.reference)
+    assert again.reference not in (start_reference, served.reference)
     np.testing.assert_array_equal(again.values, current.params)
 
 
 def test_a_pull_answered_in_fp32_waits_for_the_whole_reference() -> None:
-    references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1)
-    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = serve(references, 0, codec, published(0, theta.copy()), 0)
+    references, codec, theta, start_values, start_reference = gated_chain()
     current = published(1, theta * np.float32(1.5))
-    assert start.values is not None
 
     async def scenario() -> tuple[Served, Served]:
-        served = await references.serve(0, codec, start.reference, lambda: current)
+        served = await references.serve(0, codec, start_reference, lambda: current)
         fresh = asyncio.ensure_future(references.serve(0, codec, 0, lambda: current))
         await asyncio.sleep(0)
         assert not fresh.done()  # its values are still being written
@@ -291,5 +288,5 @@ def test_a_pull_answered_in_fp32_waits_for_the_whole_reference() -> None:
 
     served, fresh = asyncio.run(scenario())
     assert fresh.values is not None and fresh.reference == served.reference
-    held = rebuilt(codec, start.values, served)
+    held = rebuilt(codec, start_values, served)
     np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
