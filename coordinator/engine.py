@@ -683,6 +683,10 @@ class Engine:
         self.require_leader()  # it may have stepped down while the pull waited
         return published
 
+    def newest(self, fragment: int) -> Published | None:
+        """The fragment's newest published version (None before its first)."""
+        return self._store().published(fragment)
+
     def snapshot(self, learner_id: str) -> list[Published | None]:
         self._check_pull(learner_id, 0)
         return self._store().snapshot()

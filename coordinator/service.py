@@ -218,8 +218,13 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
         values, fields = published.params, {}
         if codec is not _FP32:
-            served = await asyncio.to_thread(self.references.serve, request.fragment, codec,
-                                             published, request.have_reference)
+            # The newest version when it is served: a pull that waits for an advance
+            # under way gets what was published meanwhile.
+            pulled = published
+            served = await self.references.serve(
+                request.fragment, codec, request.have_reference,
+                lambda: self.engine.newest(request.fragment) or pulled)
+            published = served.published
             if served.values is None:
                 async for message in self._stream_delta(request.learner_id, request.fragment,
                                                         published, codec, served):

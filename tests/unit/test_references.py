@@ -31,6 +31,12 @@ def published(version: int, params: np.ndarray, commit_id: int | None = None) ->
                      commit_id if commit_id is not None else 1000 + version)
 
 
+def serve(references: References, fragment: int, codec: Codec, current: Published,
+          have_reference: int) -> Served:
+    """A pull's answer, `current` the fragment's newest version meanwhile."""
+    return asyncio.run(references.serve(fragment, codec, have_reference, lambda: current))
+
+
 def encoded(step: Step) -> list[Encoded]:
     """A step's chunks as a pull streams them, each awaited in turn. (Not the task's
     result: asyncio.run takes the repr of its task, whole megabytes of chunk bytes.)"""
@@ -64,7 +70,7 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
     references = References(MIN_CHUNK_BYTES)
     rng = np.random.default_rng(7)
     theta = rng.standard_normal(NUMEL).astype(np.float32)
-    first = references.serve(0, codec, published(0, theta.copy()), 0)
+    first = serve(references, 0, codec, published(0, theta.copy()), 0)
     assert first.values is not None and not first.deltas
     np.testing.assert_array_equal(first.values, theta)  # a chain starts from the values
     held, reference, delta_bytes = first.values, first.reference, 0
@@ -72,12 +78,12 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
         theta = theta + (0.01 * rng.standard_normal(NUMEL)).astype(np.float32)
         gap = float(np.max(np.abs(theta - held)))
         current = published(version, theta.copy())
-        served = references.serve(0, codec, current, reference)
+        served = serve(references, 0, codec, current, reference)
         held = rebuilt(codec, held, served)
         delta_bytes += sum(len(data) for step in served.deltas
                            for *_, data in encoded(step))
         # A learner holding nothing gets the reference itself: the same bits.
-        fresh = references.serve(0, codec, current, 0)
+        fresh = serve(references, 0, codec, current, 0)
         assert fresh.reference == served.reference != reference
         assert fresh.values is not None
         np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
@@ -91,15 +97,15 @@ def test_a_learner_adding_up_deltas_holds_the_reference_bit_for_bit(codec: Codec
 def test_a_learner_holding_another_reference_gets_fp32(codec: Codec) -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = references.serve(3, codec, published(4, theta.copy()), 0)
+    start = serve(references, 3, codec, published(4, theta.copy()), 0)
     advanced = published(5, theta * np.float32(1.5))
     for have_reference in (0, start.reference + 1):
-        served = references.serve(3, codec, advanced, have_reference)
+        served = serve(references, 3, codec, advanced, have_reference)
         assert not served.deltas and served.values is not None
-    assert references.serve(3, codec, advanced, start.reference).deltas
+    assert serve(references, 3, codec, advanced, start.reference).deltas
     # The newest reference itself: nothing to add, so the values again.
-    newest = references.serve(3, codec, advanced, 0).reference
-    assert references.serve(3, codec, advanced, newest).values is not None
+    newest = serve(references, 3, codec, advanced, 0).reference
+    assert serve(references, 3, codec, advanced, newest).values is not None
 
 
 @pytest.mark.parametrize(("codec", "kept"), [(BF16, 1), (INT8, 3), (E3M0, 7)],
@@ -111,18 +117,18 @@ def test_a_learner_some_versions_behind_gets_the_deltas_since_while_they_cost_le
     numel = 300_001  # one chunk: the chunking is the test above's
     theta = rng.standard_normal(numel).astype(np.float32)
     held: dict[int, tuple[int, np.ndarray]] = {}  # version -> (reference, values)
-    first = references.serve(0, codec, published(0, theta.copy()), 0)
+    first = serve(references, 0, codec, published(0, theta.copy()), 0)
     assert first.values is not None
     held[0] = (first.reference, first.values)
     for version in range(1, kept + 3):
         theta = theta + (0.01 * rng.standard_normal(numel)).astype(np.float32)
         current = published(version, theta.copy())
-        fresh = references.serve(0, codec, current, 0)  # advances the chain
+        fresh = serve(references, 0, codec, current, 0)  # advances the chain
         assert fresh.values is not None
         held[version] = (fresh.reference, fresh.values)
         for behind in range(1, version + 1):
             reference, values = held[version - behind]
-            served = references.serve(0, codec, current, reference)
+            served = serve(references, 0, codec, current, reference)
             if behind <= kept:
                 assert len(served.deltas) == behind
                 np.testing.assert_array_equal(rebuilt(codec, values, served).view(np.uint32),
@@ -134,7 +140,7 @@ def test_a_learner_some_versions_behind_gets_the_deltas_since_while_they_cost_le
 def test_each_fragment_and_codec_has_its_own_chain() -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.ones(NUMEL, np.float32)
-    ids = {references.serve(p, codec, published(0, theta.copy()), 0).reference
+    ids = {serve(references, p, codec, published(0, theta.copy()), 0).reference
            for p in (0, 1) for codec in (INT8, E3M0)}
     assert len(ids) == 4
 
@@ -142,10 +148,10 @@ def test_each_fragment_and_codec_has_its_own_chain() -> None:
 def test_versions_nobody_pulled_fold_into_one_delta() -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.zeros(NUMEL, np.float32)
-    start = references.serve(0, INT8, published(2, theta.copy()), 0)
+    start = serve(references, 0, INT8, published(2, theta.copy()), 0)
     assert start.values is not None
     later = np.full(NUMEL, 0.5, np.float32)
-    served = references.serve(0, INT8, published(6, later.copy()), start.reference)
+    served = serve(references, 0, INT8, published(6, later.copy()), start.reference)
     np.testing.assert_allclose(rebuilt(INT8, start.values, served), later, atol=0.5 / 127)
 
 
@@ -153,11 +159,11 @@ def test_versions_nobody_pulled_fold_into_one_delta() -> None:
 def test_a_lost_version_starts_a_new_chain(lost: str) -> None:
     references = References(MIN_CHUNK_BYTES)
     theta = np.ones(NUMEL, np.float32)
-    references.serve(0, INT8, published(0, theta.copy()), 0)
-    old = references.serve(0, INT8, published(1, theta * np.float32(2)), 0)
+    serve(references, 0, INT8, published(0, theta.copy()), 0)
+    old = serve(references, 0, INT8, published(1, theta * np.float32(2)), 0)
     again = (published(1, theta * np.float32(3), commit_id=77) if lost == "other commit"
              else published(0, theta * np.float32(3), commit_id=78))
-    served = references.serve(0, INT8, again, old.reference)
+    served = serve(references, 0, INT8, again, old.reference)
     assert served.reference != old.reference and served.values is not None
     np.testing.assert_array_equal(served.values, again.params)
 
@@ -181,42 +187,106 @@ class GatedInt8(type(INT8)):  # type: ignore[misc]
         return encoded
 
 
-def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
+def gated_chain(fail: bool = False,
+                ) -> tuple[References, GatedInt8, np.ndarray, np.ndarray, int]:
+    """A chain at version 0 whose next advance holds (or fails) at its second chunk:
+    the references, the codec, θ, the reference's values and its id."""
     references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1)
+    codec = GatedInt8(stop_at=1, fail=fail)
     theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = references.serve(0, codec, published(0, theta.copy()), 0)
+    start = serve(references, 0, codec, published(0, theta.copy()), 0)
     assert start.values is not None
-    served = references.serve(0, codec, published(1, theta * np.float32(1.5)),
-                              start.reference)
-    (step,) = served.deltas
+    return references, codec, theta, start.values, start.reference
 
-    async def first_then_pending() -> None:
+
+def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
+    references, codec, theta, start_values, start_reference = gated_chain()
+    first, second = (published(v, theta * np.float32(1 + v / 2)) for v in (1, 2))
+    newest = first
+
+    async def scenario() -> tuple[Served, Served]:
+        nonlocal newest
+        served = await references.serve(0, codec, start_reference, lambda: newest)
+        (step,) = served.deltas
         assert await step.chunk(0) is not None  # the first chunk, while the rest is held
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(step.chunk(1), 0.05)
-    asyncio.run(first_then_pending())
-    # A version published meanwhile advances from the whole reference of the first.
-    later = references.serve(0, codec, published(2, theta * np.float32(2)), served.reference)
-    codec.release.set()
-    fresh = references.serve(0, codec, published(2, theta * np.float32(2)), 0)
+            await asyncio.wait_for(asyncio.shield(step.chunk(1)), 0.05)
+        # A pull that finds the advance under way waits for it, then advances to the
+        # newest version published meanwhile.
+        newest = second
+        later = asyncio.ensure_future(references.serve(0, codec, served.reference,
+                                                       lambda: newest))
+        await asyncio.sleep(0)
+        assert not later.done()
+        codec.release.set()
+        return served, await later
+
+    served, later = asyncio.run(scenario())
+    assert served.published is first and later.published is second
+    fresh = serve(references, 0, codec, second, 0)
     assert fresh.values is not None and fresh.reference == later.reference
-    held = rebuilt(codec, rebuilt(codec, start.values, served), later)
+    held = rebuilt(codec, rebuilt(codec, start_values, served), later)
+    np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
+
+
+def test_versions_published_during_an_advance_fold_into_the_next() -> None:
+    references, codec, theta, start_values, start_reference = gated_chain()
+    versions = [published(v, theta * np.float32(1 + v)) for v in range(1, 6)]
+    newest = versions[0]
+
+    def latest() -> Published:
+        return newest
+
+    async def scenario() -> list[Served]:
+        nonlocal newest
+        first = await references.serve(0, codec, start_reference, latest)
+        waiting = []
+        for current in versions[1:]:  # four more versions while the first advance is held
+            newest = current
+            waiting.append(asyncio.ensure_future(
+                references.serve(0, codec, first.reference, latest)))
+        await asyncio.sleep(0)
+        codec.release.set()
+        return [first, *await asyncio.gather(*waiting)]
+
+    first, *rest = asyncio.run(scenario())
+    assert {served.published.version for served in rest} == {5}
+    assert len({served.reference for served in rest}) == 1
+    held = rebuilt(codec, rebuilt(codec, start_values, first), rest[0])
+    # Two advances, not five: every pull that waited got the newest version's one.
+    assert codec.calls == 2 * 3  # three chunks each
+    fresh = serve(references, 0, codec, versions[-1], 0)
+    assert fresh.values is not None
     np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
 
 
 def test_an_advance_that_fails_fails_its_pulls_and_the_chain_starts_again() -> None:
-    references = References(MIN_CHUNK_BYTES)
-    codec = GatedInt8(stop_at=1, fail=True)
-    theta = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    start = references.serve(0, codec, published(0, theta.copy()), 0)
+    references, codec, theta, _, start_reference = gated_chain(fail=True)
     current = published(1, theta * np.float32(1.5))
-    served = references.serve(0, codec, current, start.reference)
+    served = serve(references, 0, codec, current, start_reference)
     (step,) = served.deltas
     assert asyncio.run(step.chunk(0)) is not None
     with pytest.raises(AdvanceFailed, match="no room for the chunk"):
         asyncio.run(step.chunk(1))
-    again = references.serve(0, codec, current, start.reference)
+    again = serve(references, 0, codec, current, start_reference)
     assert again.values is not None and not again.deltas  # a new chain, from the values
-    assert again.reference not in (start.reference, served.reference)
+    assert again.reference not in (start_reference, served.reference)
     np.testing.assert_array_equal(again.values, current.params)
+
+
+def test_a_pull_answered_in_fp32_waits_for_the_whole_reference() -> None:
+    references, codec, theta, start_values, start_reference = gated_chain()
+    current = published(1, theta * np.float32(1.5))
+
+    async def scenario() -> tuple[Served, Served]:
+        served = await references.serve(0, codec, start_reference, lambda: current)
+        fresh = asyncio.ensure_future(references.serve(0, codec, 0, lambda: current))
+        await asyncio.sleep(0)
+        assert not fresh.done()  # its values are still being written
+        codec.release.set()
+        return served, await fresh
+
+    served, fresh = asyncio.run(scenario())
+    assert fresh.values is not None and fresh.reference == served.reference
+    held = rebuilt(codec, start_values, served)
+    np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
