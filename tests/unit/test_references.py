@@ -290,3 +290,25 @@ def test_a_pull_answered_in_fp32_waits_for_the_whole_reference() -> None:
     assert fresh.values is not None and fresh.reference == served.reference
     held = rebuilt(codec, start_values, served)
     np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
+
+
+def test_a_pull_cancelled_while_it_waits_leaves_the_advance_to_the_others() -> None:
+    references, codec, theta, start_values, start_reference = gated_chain()
+    current = published(1, theta * np.float32(1.5))
+
+    async def scenario() -> Served:
+        served = await references.serve(0, codec, start_reference, lambda: current)
+        (step,) = served.deltas
+        waiting = asyncio.ensure_future(step.chunk(1))  # held at the second chunk
+        await asyncio.sleep(0)
+        waiting.cancel()  # its learner went away
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        codec.release.set()
+        return served
+
+    served = asyncio.run(scenario())
+    held = rebuilt(codec, start_values, served)  # another pull streams the whole delta
+    fresh = serve(references, 0, codec, current, 0)
+    assert fresh.values is not None and fresh.reference == served.reference
+    np.testing.assert_array_equal(held.view(np.uint32), fresh.values.view(np.uint32))
