@@ -67,7 +67,7 @@ class Step:
     def done(self) -> bool:
         """The advance has finished or failed."""
         with self._lock:
-            return self._complete or self._failure is not None
+            return self._ended()
 
     async def chunk(self, index: int) -> Encoded | None:
         """Chunk `index` of the delta, waiting while it is encoded; None past the last."""
@@ -88,10 +88,13 @@ class Step:
         when it failed."""
         while True:
             with self._lock:
-                if self._complete or self._failure is not None:
+                if self._ended():
                     return self._complete
                 woken = self._woken()
             await woken
+
+    def _ended(self) -> bool:
+        return self._complete or self._failure is not None  # hold the lock
 
     def _woken(self) -> asyncio.Future[None]:
         """A future the advance's thread resolves at its next chunk or its end (hold
@@ -140,7 +143,12 @@ class _Chain:
     values: np.ndarray
     # The latest advances, oldest first: as many as are smaller together than fp32.
     steps: tuple[Step, ...] = ()
-    filling: Step | None = None
+
+    @property
+    def filling(self) -> Step | None:
+        """The advance that writes `values`: the newest step (None for a chain that
+        starts from the committed values, which has none)."""
+        return self.steps[-1] if self.steps else None
 
 
 class References:
@@ -195,7 +203,7 @@ class References:
         # k deltas cost k·bits per element; beyond 32 bits fp32 is the cheaper answer.
         kept = max(1, 32 // codec.bits - 1)
         advanced = _Chain(published.version, published.commit_id, new_commit_id(),
-                          np.empty_like(chain.values), (*chain.steps, step)[-kept:], step)
+                          np.empty_like(chain.values), (*chain.steps, step)[-kept:])
         threading.Thread(target=self._fill, args=(key, chain, advanced, codec, published),
                          name=f"reference-{key[0]}-{key[1]}", daemon=True).start()
         return advanced
