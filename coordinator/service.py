@@ -213,10 +213,7 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 fragment=request.fragment, version=request.have_version, not_modified=True,
                 epoch=self.engine.epoch))
             return
-        if published.trace is not None:
-            await context.send_initial_metadata(
-                ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
-        values, fields = published.params, {}
+        served: Served | None = None
         if codec is not _FP32:
             # The newest version when it is served: a pull that waits for an advance
             # under way gets what was published meanwhile.
@@ -225,6 +222,12 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
                 request.fragment, codec, request.have_reference,
                 lambda: self.engine.newest(request.fragment) or pulled)
             published = served.published
+        # The trace of the version served, which may be newer than the one waited for.
+        if published.trace is not None:
+            await context.send_initial_metadata(
+                ((telemetry.COMMIT_TRACE, telemetry.traceparent(published.trace)),))
+        values, fields = published.params, {}
+        if served is not None:
             if served.values is None:
                 async for message in self._stream_delta(request.learner_id, request.fragment,
                                                         published, codec, served):
