@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,6 +188,14 @@ class GatedInt8(type(INT8)):  # type: ignore[misc]
         return encoded
 
 
+async def still_waiting(*tasks: asyncio.Future[Any]) -> bool:
+    """Whether the tasks are all still waiting once they have had the chance to run.
+    The encoder holds until the test releases it, so a task that waits for it cannot
+    end first; one that does not wait ends well within the bound."""
+    done, _ = await asyncio.wait(tasks, timeout=0.05)
+    return not done
+
+
 def gated_chain(fail: bool = False,
                 ) -> tuple[References, GatedInt8, np.ndarray, np.ndarray, int]:
     """A chain at version 0 whose next advance holds (or fails) at its second chunk:
@@ -209,15 +218,13 @@ def test_a_delta_streams_its_chunks_while_the_rest_are_encoded() -> None:
         served = await references.serve(0, codec, start_reference, lambda: newest)
         (step,) = served.deltas
         assert await step.chunk(0) is not None  # the first chunk, while the rest is held
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(step.chunk(1)), 0.05)
+        assert await still_waiting(asyncio.ensure_future(step.chunk(1)))
         # A pull that finds the advance under way waits for it, then advances to the
         # newest version published meanwhile.
         newest = second
         later = asyncio.ensure_future(references.serve(0, codec, served.reference,
                                                        lambda: newest))
-        await asyncio.sleep(0)
-        assert not later.done()
+        assert await still_waiting(later)
         codec.release.set()
         return served, await later
 
@@ -245,7 +252,7 @@ def test_versions_published_during_an_advance_fold_into_the_next() -> None:
             newest = current
             waiting.append(asyncio.ensure_future(
                 references.serve(0, codec, first.reference, latest)))
-        await asyncio.sleep(0)
+        assert await still_waiting(*waiting)
         codec.release.set()
         return [first, *await asyncio.gather(*waiting)]
 
@@ -281,8 +288,7 @@ def test_a_pull_answered_in_fp32_waits_for_the_whole_reference() -> None:
     async def scenario() -> tuple[Served, Served]:
         served = await references.serve(0, codec, start_reference, lambda: current)
         fresh = asyncio.ensure_future(references.serve(0, codec, 0, lambda: current))
-        await asyncio.sleep(0)
-        assert not fresh.done()  # its values are still being written
+        assert await still_waiting(fresh)  # its values are still being written
         codec.release.set()
         return served, await fresh
 
@@ -300,7 +306,7 @@ def test_a_pull_cancelled_while_it_waits_leaves_the_advance_to_the_others() -> N
         served = await references.serve(0, codec, start_reference, lambda: current)
         (step,) = served.deltas
         waiting = asyncio.ensure_future(step.chunk(1))  # held at the second chunk
-        await asyncio.sleep(0)
+        assert await still_waiting(waiting)
         waiting.cancel()  # its learner went away
         with pytest.raises(asyncio.CancelledError):
             await waiting
