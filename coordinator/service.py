@@ -37,7 +37,14 @@ from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import metadata, telemetry
 from protos.bulk import Grant, Handoff, send_frames
-from protos.codec import Codec, CodecError, codec_for, codec_named, iter_chunk_messages
+from protos.codec import (
+    Codec,
+    CodecError,
+    chunk_message,
+    codec_for,
+    codec_named,
+    iter_chunk_messages,
+)
 from protos.tls import ADMIN_NAME, REPLICA_NAME, peer_names
 
 T = TypeVar("T")
@@ -288,13 +295,8 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         for step in served.deltas:
             index = 0
             while (encoded := await step.chunk(index)) is not None:
-                offset, count, scale, data = encoded
-                self.engine.count_sent(len(data))
-                message = pb.PullMessage()
-                # Filled in place: a built Chunk would cost upb a serialise and a parse.
-                message.chunk.offset, message.chunk.count = offset, count
-                message.chunk.scale, message.chunk.data = scale, data
-                yield message
+                self.engine.count_sent(len(encoded[3]))
+                yield chunk_message(pb.PullMessage, *encoded)
                 index += 1
         self.engine.metrics.transfers.add(1, {"direction": "pull", "transport": "grpc"})
 

@@ -348,15 +348,22 @@ def iter_chunk_messages(
 
     def messages() -> Iterator[StreamMessage]:
         for offset, count, scale, data in _encoded(vector, codec, step):
-            message = message_type()
-            chunk = message.chunk
-            chunk.offset = offset
-            chunk.count = count
-            chunk.scale = scale
-            chunk.data = data
-            yield message
+            yield chunk_message(message_type, offset, count, scale, data)
 
     return messages()
+
+
+def chunk_message(message_type: type[StreamMessage], offset: int, count: int, scale: float,
+                  data: bytes) -> StreamMessage:
+    """One encoded chunk inside a stream message, its fields filled in place (see
+    `iter_chunk_messages`)."""
+    message = message_type()
+    chunk = message.chunk
+    chunk.offset = offset
+    chunk.count = count
+    chunk.scale = scale
+    chunk.data = data
+    return message
 
 
 def _encoded(values: Floats, codec: Codec, step: int) -> Iterator[tuple[int, int, float, bytes]]:
