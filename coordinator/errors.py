@@ -44,7 +44,8 @@ class Reason(enum.Enum):
     VERSION_MISMATCH = "version_mismatch"
     # The bulk channel: a connection whose ticket is missing, unknown, spent,
     # expired or another learner's; a frame that fails its checksum; a push whose
-    # bulk connection broke before its last frame (cut, not refused).
+    # bulk connection broke before its last frame, or a compressed pull whose
+    # reference's advance failed while it streamed (cut, not refused).
     BAD_TICKET = "bad_ticket"
     CORRUPT = "corrupt"
     CUT = "cut"

@@ -45,8 +45,8 @@ Encoded = tuple[int, int, float, bytes]
 
 
 class AdvanceFailed(RuntimeError):
-    """The advance a pull was streaming from stopped (its encoding failed): the pull's
-    stream ends with an error, and the next pull starts the chain again."""
+    """The advance a pull was streaming from stopped (its encoding failed): the pull is
+    cut, its learner pulls again, and that pull starts the chain again."""
 
 
 class Step:

@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.engine import Engine, FragmentView, LearnerStats
 from coordinator.errors import Cut, Reason, Rejected
-from coordinator.references import References, Served
+from coordinator.references import AdvanceFailed, References, Served
 from coordinator.replication import read_replica
 from coordinator.store import Published
 from protos import ftsync_pb2 as pb
@@ -89,7 +89,7 @@ STATUS_CODES: dict[Reason, grpc.StatusCode] = {
     Reason.VERSION_MISMATCH: grpc.StatusCode.UNIMPLEMENTED,
     # The bulk channel. A bad ticket is answered on the bulk connection itself; a
     # corrupt frame and a cut connection are retried by learners: the push is sent
-    # again.
+    # again. So is a compressed pull cut by its reference's failed advance.
     Reason.BAD_TICKET: grpc.StatusCode.UNAUTHENTICATED,
     Reason.CORRUPT: grpc.StatusCode.DATA_LOSS,
     Reason.CUT: grpc.StatusCode.UNAVAILABLE,
@@ -236,9 +236,16 @@ class SynchronizerService(pb_grpc.SynchronizerServicer):  # type: ignore[misc]
         values, fields = published.params, {}
         if served is not None:
             if served.values is None:
-                async for message in self._stream_delta(request.learner_id, request.fragment,
-                                                        published, codec, served):
-                    yield message
+                try:
+                    async for message in self._stream_delta(request.learner_id,
+                                                            request.fragment, published, codec,
+                                                            served):
+                        yield message
+                except AdvanceFailed as exc:
+                    # Cut, not refused: the learner pulls again, and the chain, which
+                    # the failure dropped, starts again from the values.
+                    await self._abort(context, "PullFragment", request.learner_id,
+                                      Rejected(Reason.CUT, str(exc)))
                 return
             values, fields = served.values, {"reference": served.reference}
         stream = (self._send_bulk(request.learner_id, request.fragment, published, values,
