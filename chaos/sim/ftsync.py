@@ -195,6 +195,7 @@ class FtsyncRun:
         # at the default timeout where a learner beats each second, which its EWMA of
         # seconds over steps measures the same for a steady pace.
         self.hb_period = s.policy.heartbeat_timeout_s * 0.9
+        self.refreshed_at = -math.inf
         # Share of a core each busy learner process gets (host.cores > 0 only).
         self.speed = 1.0
         self.published = [-1] * self.P
@@ -492,17 +493,24 @@ class FtsyncRun:
     # -- failures ------------------------------------------------------------------------
 
     def _arm_failure(self, t: float, g: _Group) -> None:
+        """The group's next chip failure, armed at the rate of all its chips and thinned
+        at `_fail` to the chips it has then (a Poisson process thinned by
+        active/nominal has the rate of the active chips): a chip lost or back changes
+        the rate without arming again, which cost an event and a draw per change."""
         g.fail_token += 1
-        if self.kills is not None or g.active == 0:
+        if self.kills is not None or g.nominal == 0:
             return
-        rate = g.active / self.s.failures.mtbf_chip_s
+        rate = g.nominal / self.s.failures.mtbf_chip_s
         self.at(t + self.rng.expovariate(rate), _OTHER, self._fail, g, g.fail_token)
 
     def _fail(self, t: float, g: _Group, token: int) -> None:
         if token != g.fail_token or self.ended or g.state not in _ALIVE:
             return
-        if self.s.cluster.elastic and g.active > 1:
+        if g.active < g.nominal and self.rng.random() * g.nominal >= g.active:
+            self._arm_failure(t, g)  # it fell on a chip the group has not got now
+        elif self.s.cluster.elastic and g.active > 1:
             self._lose_chip(t, g)
+            self._arm_failure(t, g)
         else:
             self._kill(t, g)
 
@@ -576,25 +584,24 @@ class FtsyncRun:
         if g.state == REFORMING:
             g.reform_token += 1
             self.at(t + f.reform_s, _OTHER, self._reformed, g, g.reform_token)
-        self._arm_failure(t, g)
 
     def _repaired(self, t: float, g: _Group, chip: int, incarnation: int) -> None:
         if incarnation != g.incarnation or g.state not in _ALIVE:
             return  # the group restarted whole (and got it back) or is gone
         g.removed.remove(chip)
         g.active += 1
+        slow = g.slow
         g.slow = self.chips.renew(chip, g.slow, g.lo, g.hi) if chip >= 0 else g.slow
-        if g.state == RUNNING:
+        if g.w_rate > 0:
             g.set_rate(t, g.active)
+        if g.state == RUNNING and g.slow != slow:
+            # Paced by its slowest chip: only a slower new chip moves the step clock
+            # (one repair in about as many as the group has chips).
             self._repace(t, g)
-        elif g.w_rate > 0:
-            g.set_rate(t, g.active)
-        self._arm_failure(t, g)
 
     def _reformed(self, t: float, g: _Group, token: int) -> None:
         if token != g.reform_token or g.state != REFORMING:
             return
-        self._arm_failure(t, g)
         if self.ended:
             self._finish(t, g)
         else:
@@ -616,7 +623,11 @@ class FtsyncRun:
 
     def _refresh(self, t: float) -> None:
         """Live learners beat every second; the policy only needs to have heard
-        one within its timeout whenever it is asked, so beat lazily."""
+        one within its timeout whenever it is asked, so beat lazily (and once per
+        instant: an arrival's round timer asks again at the same time)."""
+        if t == self.refreshed_at:
+            return
+        self.refreshed_at = t
         for g in self.joined.values():
             if t - g.hb_t >= self.hb_period:
                 self._heartbeat(t, g)
