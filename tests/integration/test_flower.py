@@ -284,6 +284,7 @@ class SlowClient(NumPyClient):
 
     def __init__(self) -> None:
         self.fitting = threading.Event()
+        self.release = threading.Event()
 
     def get_parameters(self, config: dict[str, Any]) -> list[np.ndarray]:
         return [np.zeros(8, np.float32), np.zeros(1, np.int64)]
@@ -292,24 +293,28 @@ class SlowClient(NumPyClient):
             ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         w, fits = parameters
         self.fitting.set()
-        time.sleep(1.5)
+        assert self.release.wait(30)  # until the test has seen the lease outlast it
         return [w + 1.0, fits + 1], 10, {}
 
 
 def test_the_lease_holds_through_a_fit_longer_than_it(start_daemon: StartDaemon) -> None:
+    # Beats 20 times per lease: a busy machine delays some, never a lease's worth.
     daemon = start_daemon("--set", "heartbeat_interval_ms=100",
-                          "--set", "policy.heartbeat_timeout_s=0.5",
+                          "--set", "policy.heartbeat_timeout_s=2.0",
                           "--set", "policy.grace_max_s=0")
     client = SlowClient()
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_numpy_client, client, daemon.address, fits=1,
                               learner_id="slow", connect_timeout_s=10.0)
         assert client.fitting.wait(10)
-        sampling_until = time.monotonic() + 1.2
-        while time.monotonic() < sampling_until:  # sampling, not synchronizing
-            assert [(x.learner_id, x.live) for x in daemon.status().learners] == [
-                ("slow", True)]
-            time.sleep(0.05)
+        sampling_until = time.monotonic() + 3.0  # the fit outlasts the lease 1.5 times
+        try:
+            while time.monotonic() < sampling_until:  # sampling, not synchronizing
+                assert [(x.learner_id, x.live) for x in daemon.status().learners] == [
+                    ("slow", True)]
+                time.sleep(0.05)
+        finally:
+            client.release.set()
         summary = running.result(timeout=20)
     assert summary.start_loss is None and summary.versions == {0: 1}
     # One outer step (lr 0.7, no momentum) on Δ = −1: Θ = 0.7.
