@@ -255,8 +255,9 @@ def test_learner_keeps_stepping_while_the_coordinator_is_down_then_catches_up(
             learner.step(tokens=32)
             slowest = max(slowest, time.monotonic() - started)
             time.sleep(0.01)
-        # A dead coordinator never blocks a step; work piles up as backlog instead.
-        assert slowest < 0.5
+        # A dead coordinator never blocks a step; work piles up as backlog instead. A
+        # step that waited on it would wait out the client's retries (60 s).
+        assert slowest < 5.0, slowest
         assert learner.backlog > 0
         # 20 pushes fell due; the send queue holds 8 (max_backlog), and the oldest
         # beyond them are dropped, counted where the summary reads them.

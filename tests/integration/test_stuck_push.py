@@ -85,8 +85,9 @@ def test_a_stuck_push_is_cut_and_another_learners_push_completes(
         released.set()
         channel.close()
     assert response.target_version == 1
-    # b waited for a cut, and no longer: with no idle limit it waited for ever.
-    assert took < IDLE_S + RPC_TIMEOUT / 2, f"b's push took {took:.1f} s"
+    # b waited for a cut, not for the stuck pushes to end: with no idle limit it waited
+    # their 60 s. (The order below says it was a cut that let it in.)
+    assert took < STUCK_S / 2, f"b's push took {took:.1f} s"
     order = [(e["kind"], e.get("learner")) for e in map(json.loads, log.read_text().splitlines())]
     # Staging was full: b got in only once a stuck push was cut.
     assert order.index(("push_staged", "b")) > min(
