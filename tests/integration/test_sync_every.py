@@ -22,11 +22,13 @@ from tests.daemon import Daemon, wait_until
 from tests.integration.test_learner import small_model, train_step
 
 H_MAX = 16
-# Emulated step times (s): the slow learner is four times slower.
-FAST_S, SLOW_S = 0.005, 0.02
-# The slow learner's steps: some 6 s, of which the first second or two are spent
+# Emulated step times (s): the slow learner is four times slower. Long beside a
+# training step's own few milliseconds, which a busy machine stretches for both alike:
+# 10 ms more each still leaves the slow one 2.5 times slower, given at most H_MAX / 2.
+FAST_S, SLOW_S = 0.01, 0.04
+# The slow learner's steps: some 8 s, of which the first second or two are spent
 # measuring.
-SLOW_STEPS = 300
+SLOW_STEPS = 200
 
 
 def run_pair(daemon: Daemon, sync_every: int | Literal["auto"]) -> dict[str, int]:
