@@ -149,6 +149,10 @@ class FaultSpec:
     at_s: float | None = None
     every_s: float | None = None
     mtbf_s: float | None = None
+    # Or counted from the moment every fragment has reached this version (1: each one's
+    # first merge), which the harness asks the leader for: a fault that must find the
+    # learners joined and training lands there however long they take to start.
+    after_version: int | None = None
     # With every_s/mtbf_s: the most times it happens (0: as often as the run allows).
     count: int = 0
     # How long until the fault heals: a killed process restarts, a paused one
@@ -182,6 +186,8 @@ class FaultSpec:
         check(self, [
             (0 <= self.duration_s < math.inf, "duration_s", "must be >= 0 and finite"),
             (self.count >= 0, "count", "must be >= 0 (0: as often as the run allows)"),
+            (self.after_version is None or self.after_version >= 0, "after_version",
+             "must be >= 0 (1: every fragment merged once)"),
             (0 < self.drain_timeout_s < math.inf, "drain_timeout_s",
              "must be positive and finite"),
             (0 < self.duty < 1, "duty", "must be in (0, 1)"),

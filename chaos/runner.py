@@ -403,13 +403,55 @@ class ProcessCluster(Cluster[subprocess.Popen[str]]):
             self.etcd.stop()
 
 
+class Timeline:
+    """The fault actions still to come, each on its fault's clock: the run's, from the
+    start, or for a fault with `after_version`, from the moment every fragment has
+    reached that version (the driver says, from the leader's status, while `waiting`)."""
+
+    def __init__(self, actions: list[Action], started: float) -> None:
+        self.actions = actions
+        self.origins: dict[int | None, float] = {None: started}
+
+    @property
+    def upcoming(self) -> Action | None:
+        return self.actions[0] if self.actions else None
+
+    @property
+    def waiting(self) -> bool:
+        """Some fault's clock waits for a version."""
+        return any(a.fault.after_version not in self.origins for a in self.actions)
+
+    def due(self, now: float, reached: int | None = None) -> list[Action]:
+        """The actions due at `now`, every fragment being at version `reached` or newer
+        (None: not known), in timeline order and taken off the timeline."""
+        if reached is not None:
+            for action in self.actions:
+                version = action.fault.after_version
+                if version is not None and version not in self.origins and reached >= version:
+                    self.origins[version] = now
+        due = [a for a in self.actions
+               if (origin := self.origins.get(a.fault.after_version)) is not None
+               and now - origin >= a.at_s]
+        taken = {id(a) for a in due}
+        self.actions = [a for a in self.actions if id(a) not in taken]
+        return due
+
+
+def versions_reached(cluster: Cluster[Any]) -> int | None:
+    """The version every fragment has reached, by the leader's status (None: no leader
+    answers, or no fragment has one yet)."""
+    status = cluster.leader_status()
+    if status is None or not status.fragments:
+        return None
+    return min(f.version for f in status.fragments)
+
+
 def run_cluster(experiment: Experiment, out: Path,
                 on_tick: Callable[[Cluster[Any], float, Action | None], None] | None = None,
                 ) -> Cluster[Any]:
     """Start the topology, play the timeline, stop; returns the stopped cluster."""
     out.mkdir(parents=True, exist_ok=True)
     cluster = make_cluster(experiment, out)
-    actions = schedule(experiment)
     cluster.events.emit("run_start", experiment=experiment.name, seed=experiment.seed,
                         mode=experiment.coordinator.mode,
                         learners=experiment.learners.ids(),
@@ -418,12 +460,15 @@ def run_cluster(experiment: Experiment, out: Path,
     try:
         cluster.start()
         started = time.monotonic()
+        timeline = Timeline(schedule(experiment), started)
         while True:
-            elapsed = time.monotonic() - started
-            while actions and actions[0].at_s <= elapsed:
-                cluster.apply(actions.pop(0))
+            now = time.monotonic()
+            elapsed = now - started
+            reached = versions_reached(cluster) if timeline.waiting else None
+            for action in timeline.due(now, reached):
+                cluster.apply(action)
             if on_tick is not None:
-                on_tick(cluster, elapsed, actions[0] if actions else None)
+                on_tick(cluster, elapsed, timeline.upcoming)
             if cluster.finished:
                 reason = "learners finished"
                 break
@@ -465,8 +510,11 @@ def live_view(console: Console) -> tuple[Live, Callable[[Cluster[Any], float,
         versions = "no coordinator answering" if status is None else (
             (f"leader {status.replica_id} epoch {status.epoch}  " if status.replica_id else "")
             + "versions " + " ".join(f"{f.fragment}:{f.version}" for f in status.fragments))
+        after = ("" if upcoming is None or upcoming.fault.after_version is None
+                 else f" after version {upcoming.fault.after_version}")
         nxt = (f"next: {upcoming.fault.kind} {'heal' if upcoming.heal else 'inject'} "
-               f"{upcoming.target} at {upcoming.at_s:.0f}s" if upcoming else "no more faults")
+               f"{upcoming.target} at {upcoming.at_s:.0f}s{after}" if upcoming
+               else "no more faults")
         live.update(Group(table, versions, goodput_line, nxt), refresh=True)
 
     return live, tick

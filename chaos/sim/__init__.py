@@ -88,6 +88,11 @@ def replay_kills(scenario: Scenario) -> list[Kill]:
     if scenario.method != "ftsync" or scenario.cluster.learners != len(ids):
         raise ConfigError(f"failures.replay: {experiment.name} has {len(ids)} learners; the "
                           f"scenario must be method 'ftsync' with cluster.learners = {len(ids)}")
+    kills = [fault for fault in experiment.faults if fault.kind == "kill_learner"]
+    if any(fault.after_version is not None for fault in kills):
+        raise ConfigError(f"failures.replay: {experiment.name}'s kills count from a version "
+                          f"(after_version), which the simulator does not know beforehand; "
+                          f"replay one whose kills count from the start")
     offset = scenario.failures.replay_offset_s
     return [(action.at_s + offset, ids.index(action.target)) for action in schedule(experiment)
             if action.fault.kind == "kill_learner" and not action.heal]

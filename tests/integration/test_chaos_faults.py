@@ -53,6 +53,12 @@ max_blocked_s = 10
 {checks}
 """
 
+AT = "at_s = 2.5"
+# Where a fault must find the learners training (a failover is timed from it to the
+# next commit): counted from every fragment's first merge, not from the learners'
+# spawn, which a busy machine takes seconds longer to turn into training.
+AFTER_THE_FIRST_MERGE = "at_s = 0.5\nafter_version = 1"
+
 FAULTS = {
     "kill_learner": ("learner-0", ""),
     "pause_learner": ("learner-1", ""),
@@ -92,7 +98,10 @@ def experiment_text(kind: str) -> str:
         kind=kind, target=target, extra=extra, duration=5, top="proxy = false",
         coordinator="replicas = 2\netcd_proxies = true",
         steps=2500, learners=f'discovery = "{discovery}"', etcd=f"[etcd]\nmembers = {members}",
-        checks="max_failover_s = 4.0" if kind != "kill_etcd_member" else "")
+        # Within the TTL and a few seconds (bench.recovery holds the figure: failover p99
+        # ≤ TTL + 1 s): a failover that happens, however busy the machine.
+        checks="max_failover_s = 8.0" if kind != "kill_etcd_member" else "",
+    ).replace(AT, AFTER_THE_FIRST_MERGE)
 
 
 def run(tmp_path: Path, name: str, text: str,
@@ -171,6 +180,9 @@ def assert_ha_traces(kind: str, events: list[dict[str, Any]], faults: list[dict[
     assert checks["failover_within"]["details"]["failover_s"], checks["failover_within"]
     assert faults[0]["epoch"] >= 1 and faults[0]["target"] == faults[1]["target"]
     assert any(e["epoch"] > faults[0]["epoch"] for e in elected)
+    # It found the run merging: after a commit of version 1 (of the last fragment).
+    first_merges = [e["t"] for e in events if e["kind"] == "commit" and e["version"] == 1]
+    assert first_merges and faults[0]["t"] >= max(first_merges), (faults[0], first_merges)
     if kind == "kill_leader":
         assert faults[0]["detail"] == "in a grace window"
     if kind == "partition_leader_from_etcd":

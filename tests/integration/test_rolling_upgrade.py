@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_chaos_faults import EXPERIMENT, run
+from tests.integration.test_chaos_faults import AFTER_THE_FIRST_MERGE, AT, EXPERIMENT, run
 
 # Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
 pytestmark = pytest.mark.slow
@@ -41,8 +41,12 @@ def test_the_rolling_upgrade_experiment_passes_every_check(tmp_path: Path) -> No
                   # At least 20 s of steps, however fast the machine: past the last heal.
                   ('task = "lm-stdlib"', 'task = "synthetic"\nargs = ["--step-ms", "10"]'),
                   ("steps = 1200", "steps = 2000"),
-                  ("at_s = 15", "at_s = 4"), ("duration_s = 5", "duration_s = 2"),
-                  ("at_s = 40", "at_s = 11"), ("duration_s = 5", "duration_s = 2"))
+                  # From the first merge of every fragment, however long the learners
+                  # take to start.
+                  ("at_s = 15", "at_s = 0.5\nafter_version = 1"),
+                  ("duration_s = 5", "duration_s = 2"),
+                  ("at_s = 40", "at_s = 7.5\nafter_version = 1"),
+                  ("duration_s = 5", "duration_s = 2"))
     events, summary = run(tmp_path, "rolling-upgrade", text)
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]
     checks = {check["name"] for check in summary["checks"]}
@@ -65,11 +69,11 @@ def test_the_rolling_upgrade_experiment_passes_every_check(tmp_path: Path) -> No
 
 def test_a_single_coordinator_drained_for_an_upgrade_resumes_where_it_stopped(
         tmp_path: Path) -> None:
-    # Late enough that the learners have made the run and its first versions, and
-    # 900 steps of at least 20 ms: they are still training when it comes back.
+    # Once the learners have made the run and its first versions, and 900 steps of at
+    # least 20 ms: they are still training when it comes back.
     text = EXPERIMENT.format(kind="drain_replica", target="coordinator", duration=2, top="",
                              coordinator="", steps=900, learners="", etcd="", checks="",
-                             extra="").replace("at_s = 2.5", "at_s = 6").replace(
+                             extra="").replace(AT, AFTER_THE_FIRST_MERGE).replace(
         '"--step-ms", "5"', '"--step-ms", "20"')
     events, summary = run(tmp_path, "drain-coordinator", text)
     assert all(check["passed"] for check in summary["checks"]), summary["checks"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from pathlib import Path
 
@@ -10,9 +11,12 @@ import pytest
 from chaos.cluster import make_cluster
 from chaos.experiment import Experiment, FaultKind, load_experiment, schedule
 from chaos.proxy import LinkSpec
+from chaos.runner import Timeline
+from chaos.sim import load_scenario, replay_kills
 from coordinator.config import ConfigError
 
 EXPERIMENTS = sorted(Path(__file__).parents[2].joinpath("experiments").glob("*.toml"))
+SIM_STORM = Path(__file__).parents[2] / "experiments" / "sim" / "learner-storm.toml"
 
 BASE = """\
 name = "t"
@@ -67,6 +71,10 @@ def test_the_shipped_set_is_complete() -> None:
     ('kind = "kill_learner"\nat_s = 120', ["at_s 120 is not before the end of the run",
                                              "max_duration_s 100", "line 10"]),
     ('target = "learner-1"\nat_s = 1', ["needs key 'faults.0.kind'", "line 8"]),
+    ('kind = "kill_learner"\nat_s = 1\nafter_version = -1',
+     ["faults.0.after_version", "must be >= 0", "line 11"]),
+    ('kind = "kill_learner"\nat_s = 1\nafter_version = 1.5',
+     ["faults.0.after_version must be int", "line 11"]),
 ])
 def test_bad_fault_names_key_and_line(tmp_path: Path, fault: str, needles: list[str]) -> None:
     message = error_of(tmp_path, BASE + "\n[[faults]]\n" + fault + "\n")
@@ -289,3 +297,42 @@ def test_learners_take_sync_every_auto_and_refuse_other_words(tmp_path: Path) ->
         tmp_path, BASE + 'sync_every = "banana"\n')
     assert "learners.sync_every must be at least 1" in error_of(tmp_path,
                                                                 BASE + "sync_every = 0\n")
+
+
+def test_a_fault_after_a_version_counts_from_when_every_fragment_reached_it(
+        tmp_path: Path) -> None:
+    """The run's clock for the others; the version's, once the driver reports it, for
+    the fault with after_version: its injection and its heal both move."""
+    text = BASE + ('\n[[faults]]\nkind = "pause_learner"\ntarget = "learner-0"\nat_s = 2\n'
+                   'duration_s = 3\n'
+                   '\n[[faults]]\nkind = "kill_learner"\ntarget = "learner-1"\nat_s = 1\n'
+                   'duration_s = 2\nafter_version = 1\n')
+    path = tmp_path / "exp.toml"
+    path.write_text(text)
+    timeline = Timeline(schedule(load_experiment(path)), started=100.0)
+
+    def due(now: float, reached: int | None) -> list[tuple[str, bool]]:
+        return [(a.fault.kind, a.heal) for a in timeline.due(now, reached)]
+
+    assert timeline.waiting
+    assert due(101.0, None) == []
+    assert due(102.0, 0) == [("pause_learner", False)]  # version 0: the kill still waits
+    assert due(104.0, 1) == []  # version 1 reached now: the kill is 1 s away
+    assert not timeline.waiting
+    assert due(105.0, None) == [("kill_learner", False), ("pause_learner", True)]
+    assert due(106.9, None) == []
+    assert due(107.0, None) == [("kill_learner", True)]
+    assert timeline.upcoming is None
+
+
+def test_the_simulator_refuses_to_replay_kills_that_wait_for_a_version(
+        tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(BASE + '\n[[faults]]\nkind = "kill_learner"\nat_s = 1\n'
+                           'after_version = 1\n')
+    scenario = load_scenario(SIM_STORM)
+    replayed = dataclasses.replace(scenario, failures=dataclasses.replace(
+        scenario.failures, replay=str(path)), cluster=dataclasses.replace(
+        scenario.cluster, learners=3))
+    with pytest.raises(ConfigError, match="after_version"):
+        replay_kills(replayed)
