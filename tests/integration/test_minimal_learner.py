@@ -53,10 +53,11 @@ def test_the_minimal_learner_merges_beside_built_in_ones(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         for i in range(2)]
     # The built-in learners take seconds to import torch, the minimal one none: it
-    # starts once they have joined, so that their runs overlap.
-    wait_until(lambda: {"builtin-0", "builtin-1"} <= {
-        lr.learner_id for lr in daemon.status().learners}, timeout=120,
-        message="the built-in learners joined")
+    # starts once they are training (each has pushed), so that their runs overlap
+    # however long a busy machine takes to start them.
+    wait_until(lambda: sum(lr.contributions > 0 for lr in daemon.status().learners
+                           if lr.learner_id.startswith("builtin-")) == 2, timeout=120,
+               message="the built-in learners pushing")
     minimal = subprocess.Popen(
         [sys.executable, str(MINIMAL), "--coordinator", daemon.address,
          "--learner-id", "minimal", "--shard", "2", *STEPS],

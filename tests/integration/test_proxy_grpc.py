@@ -68,7 +68,7 @@ def test_learner_through_the_proxy_survives_latency_resets_and_partitions(
             assert proxy.describe()["bytes_discarded_up"] > 0
             proxy.heal()
             await client.heartbeat(local_step=13)
-            assert await timed_pull(client) < 1.0
+            assert await timed_pull(client) < 5.0  # through again: a cut pull waits 15 s
             await client.close()
 
         asyncio.run(scenario())
