@@ -12,9 +12,10 @@ alike. The figure is the peer's steps per second within the catch-ups over its s
 per second between them (from 0.1 s after a catch-up ends to the next one's start).
 
 Every process shares this machine's cores; in a deployment the learner catching up and
-the coordinator run on other hosts, so here they run at the lowest priority and take a
-core only when the peer does not want it. What the peer spends serving (its loop, its
-kernel copies) counts in full.
+the coordinator run on other hosts, so here they run at the lowest priority (`--nice`,
+default 19) and take a core only when the peer does not want it. What the peer spends
+serving (its loop, its kernel copies) counts in full. On a machine busy with other work
+at normal priority, processes at nice 19 get next to nothing: `--nice 0` there.
 
 Run from the repository root: `python -m bench.serving [--params N] [--catch-ups K]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
@@ -60,7 +61,7 @@ def json_line(process: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 def measure_serving(params: int = 50_000_000, fragments: int = 4, catch_ups: int = 14,
-                    gap_s: float = 0.8) -> dict[str, Any]:
+                    gap_s: float = 0.8, nice: int = 19) -> dict[str, Any]:
     """The benchmark; returns the JSON line's object."""
     size = ["--params", str(params), "--fragments", str(fragments), "--sync-every", "1000"]
     log(f"{params:,} parameters in {fragments} fragments, {catch_ups} catch-ups "
@@ -81,13 +82,13 @@ def measure_serving(params: int = 50_000_000, fragments: int = 4, catch_ups: int
         daemon.start()
         try:
             assert daemon.process is not None
-            os.setpriority(os.PRIO_PROCESS, daemon.process.pid, 19)
+            os.setpriority(os.PRIO_PROCESS, daemon.process.pid, nice)
             peer = worker("train", "--coordinator", daemon.address, "--learner-id", "peer",
                           *size, "--step-ms", str(STEP_MS), "--serve-peers", "127.0.0.1:0")
             peer_address = json_line(peer)["peer_address"]
             late = worker("catchup", "--coordinator", daemon.address, "--learner-id", "late",
                           *size, "--peers", peer_address, "--catch-ups", str(catch_ups),
-                          "--gap-s", str(gap_s), nice=19)
+                          "--gap-s", str(gap_s), nice=nice)
             records = []
             for k in range(catch_ups):
                 records.append(json_line(late))
@@ -116,6 +117,7 @@ def measure_serving(params: int = 50_000_000, fragments: int = 4, catch_ups: int
         "params": params,
         "fragments": fragments,
         "step_ms": STEP_MS,
+        "nice": nice,
         "steps_per_s_serving": serving,
         "steps_per_s_between": between,
         "catch_up_s": [round(r["seconds"], 3) for r in records],
@@ -134,9 +136,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="catch-ups from the peer (default 14)")
     parser.add_argument("--gap-s", type=float, default=0.8,
                         help="quiet spell after each catch-up (default 0.8 s)")
+    parser.add_argument("--nice", type=int, choices=range(20), default=19, metavar="0..19",
+                        help="priority of the daemon and the catching-up learner (default "
+                             "19: a core only when the peer does not want it)")
     args = parser.parse_args(argv)
     print(json.dumps(measure_serving(args.params, args.fragments, args.catch_ups,
-                                     args.gap_s)), flush=True)
+                                     args.gap_s, args.nice)), flush=True)
 
 
 if __name__ == "__main__":

@@ -332,9 +332,12 @@ def test_a_peer_trains_on_while_it_serves_catch_ups() -> None:
     training peer) runs to its JSON line, every byte from the peer, and the peer
     steps on while it serves: serving runs beside its training thread, not in it,
     which would stop the peer for each 200 MB sent. How close the two rates are is
-    the benchmark's figure (target 0.9); this bound only tells beside from in."""
-    run = subprocess.run([sys.executable, "-m", "bench.serving", "--catch-ups", "6"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    the benchmark's figure (target 0.9); this bound only tells beside from in. At
+    normal priority: the suite may share the machine with other work, which would
+    leave a daemon at nice 19 next to no CPU."""
+    run = subprocess.run([sys.executable, "-m", "bench.serving", "--catch-ups", "6",
+                          "--nice", "0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["name"] == "serving" and result["target"] == 0.9
