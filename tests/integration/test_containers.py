@@ -173,7 +173,7 @@ def test_compose_trains_with_scaled_learners_survives_a_learner_kill_and_leaves_
         tls_flags = [f"--tls-cert={files[0]}", f"--tls-key={files[1]}",
                      f"--tls-ca={files[2]}"] if tls else []
         shown = docker("exec", lead(), "ftsync-coordinator", "status", "--once",
-                       "--token", token, *tls_flags)
+                       f"--token={token}", *tls_flags)
         assert "learners 3/3 live" in shown, shown
         # A learner killed and started again joins as itself and is merged again.
         victim = learners[1]
