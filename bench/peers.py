@@ -28,10 +28,14 @@ each slot from its first step to the end of the run, its time down included.
 
 Printed: each system's per-learner step rate against its own no-fault run, the
 survivors' longest stall within 10 s of the kill, the restarted learner's time
-from its restart to its first merged contribution, goodput, and ratios ftsync /
-torchft. Needs the `peers` extra (`pip install -e .[peers]`: torchft 0.2.0).
+from its restart to its first merged contribution, goodput, the held-out loss the
+learners end at, and ratios ftsync / torchft. `--apply-rule carry` (or `boundary`)
+runs ftsync's learners with that rule (`learner.schedule.ApplyRule`) and one more
+no-fault run with the overwrite, whose held-out loss the rule's is compared with.
+Needs the `peers` extra (`pip install -e .[peers]`: torchft 0.2.0).
 
-Run from the repository root: `python -m bench.peers [--duration 40]`.
+Run from the repository root: `python -m bench.peers [--duration 40] [--scenarios
+no_fault ...] [--apply-rule RULE]`.
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
 
@@ -59,7 +63,7 @@ SYSTEMS = ("torchft", "ftsync")
 SCENARIOS = ("no_fault", "kill", "straggler")
 SLOW = 2  # the straggler sleeps this many times each step's compute: a third of its speed
 TARGETS = {"others_rate_straggler": 0.95, "survivor_stall_s": 0.2, "goodput_no_fault": 0.95,
-           "goodput_vs_torchft_min": 1.0}
+           "goodput_vs_torchft_min": 1.0, "held_out_loss_vs_overwrite": 1.01}
 
 
 def log(message: str) -> None:
@@ -87,6 +91,19 @@ def _model_and_data(seed: int) -> tuple[Any, Any, Any]:
             BATCH, WIDTHS[-1], generator=rng)
 
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch
+
+
+def held_out_loss(model: Any) -> float:
+    """Mean squared error on 1,024 held-out pairs of the teacher (the same for every
+    learner and system): what the run's training reached, beside how fast it stepped."""
+    import torch
+
+    teacher = torch.randn(WIDTHS[0], WIDTHS[-1], generator=torch.Generator().manual_seed(1))
+    rng = torch.Generator().manual_seed(99)
+    x = torch.randn(1024, WIDTHS[0], generator=rng)
+    y = x @ teacher / WIDTHS[0] ** 0.5 + 0.1 * torch.randn(1024, WIDTHS[-1], generator=rng)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
 
 
 def _no_commits() -> int:
@@ -130,6 +147,8 @@ def worker(args: argparse.Namespace) -> None:
                               "loss": round(float(loss), 5)}) + "\n")
     closing()
     out.close()
+    Path(args.log).with_suffix(".held_out.json").write_text(
+        json.dumps({"held_out_loss": held_out_loss(model)}))
     os._exit(0)
 
 
@@ -178,7 +197,8 @@ def _ftsync(args: argparse.Namespace, model: Any) -> tuple[Any, Any]:
 
     learner = Learner(args.address, model, sync_every=args.sync_every, fragments=args.fragments,
                       overlap=1, learner_id=f"learner-{args.replica}", device="cpu",
-                      event_log=args.events, connect_timeout_s=60)
+                      event_log=args.events, connect_timeout_s=60,
+                      apply_rule=args.apply_rule)
     learner.start()
     return (lambda: learner.step(BATCH)), (lambda: learner.close())
 
@@ -193,7 +213,7 @@ def start_worker(system: str, replica: int, address: str, out: Path, start_at: f
                "--replica", str(replica), "--address", address, "--duration", str(duration),
                "--start-at", str(start_at),
                "--sync-every", str(args.sync_every), "--fragments", str(args.fragments),
-               "--log", str(out / f"w{replica}.jsonl"),
+               "--apply-rule", args.apply_rule, "--log", str(out / f"w{replica}.jsonl"),
                "--events", str(out / f"learner-{replica}.events.jsonl")]
     if slow:
         command.append("--slow")
@@ -291,8 +311,12 @@ def analyse(system: str, out: Path, began: float, killed_at: float | None,
         gaps = [b["t"] - a["t"] for i, records in per.items() if i != LEARNERS - 1
                 for a, b in itertools.pairwise(records) if killed_at <= b["t"] <= killed_at + 10]
         stall = max(gaps, default=0.0)
+    held_out = [json.loads(path.read_text())["held_out_loss"]
+                for path in sorted(out.glob("w*.held_out.json"))]
     return {"useful_steps": useful, "allocated_s": allocated, "rates": rates,
             "steps": {i: len(r) for i, r in per.items()},
+            # Mean over the learners that ran to the end (a killed one's restart does).
+            "held_out_loss": statistics.mean(held_out) if held_out else None,
             "survivor_stall_s": stall,
             "first_merge_after_restart_s": (first_merge - restarted_at
                                             if first_merge and restarted_at else None)}
@@ -342,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--events", default="")
     w.add_argument("--slow", action="store_true")
     w.add_argument("--start-at", type=float, default=0.0, help="epoch seconds")
+    w.add_argument("--apply-rule", default="overwrite")
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--kill-at", type=float, default=20.0)
     parser.add_argument("--restart-at", type=float, default=25.0)
@@ -352,6 +377,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-s", type=float, default=15.0)
     parser.add_argument("--startup-s", type=float, default=20.0,
                         help="time given every learner to start before all step together")
+    parser.add_argument("--apply-rule", choices=("overwrite", "carry", "boundary"),
+                        default="overwrite",
+                        help="what ftsync's learners keep of the steps between a push and "
+                             "the apply of its merge (learner.schedule.ApplyRule); with "
+                             "another rule than overwrite, an ftsync run with overwrite and no "
+                             "faults is the held-out loss's reference")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
+                        help="the scenarios to run (default all three)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.command == "worker":
@@ -359,12 +392,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fragments < 1:
         parser.error(f"--fragments must be at least 1, got {args.fragments}")
-    if not args.kill_at < args.restart_at < args.duration:
+    if "kill" in args.scenarios and not args.kill_at < args.restart_at < args.duration:
         parser.error("need --kill-at < --restart-at < --duration")
     root = args.out or Path(tempfile.mkdtemp(prefix="ftsync-bench-peers-"))
     results: dict[str, dict[str, Any]] = {s: {} for s in SYSTEMS}
     base_rates: dict[str, float] = {}
-    for scenario in SCENARIOS:
+    for scenario in args.scenarios:
         # The baseline right before each scenario, so that a change in the machine's load
         # reaches it and the two runs it is the yardstick of.
         log(f"no synchronization: {LEARNERS} learners side by side for {args.baseline_s:g} s")
@@ -381,37 +414,58 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  {system} {scenario}: goodput {r['goodput']:.3f}, rates "
                 f"{[round(v, 1) for v in r['rates'].values()]} steps/s, stall "
                 f"{r['survivor_stall_s']}, restart -> first merge "
-                f"{r['first_merge_after_restart_s']}")
-    summary = {**summarise(results, base_rates), "fragments": args.fragments,
-               "sync_every": args.sync_every}
+                f"{r['first_merge_after_restart_s']}, held-out loss {r['held_out_loss']}")
+    reference = None
+    if args.apply_rule != "overwrite" and "no_fault" in args.scenarios:
+        log("ftsync no_fault with the overwrite: the held-out loss's reference")
+        reference = run_scenario("ftsync", "no_fault", root / "ftsync" / "no_fault-overwrite",
+                                 argparse.Namespace(**{**vars(args), "apply_rule": "overwrite"}))
+        log(f"  held-out loss {reference['held_out_loss']}")
+    summary = {**summarise(results, base_rates, args.scenarios, reference),
+               "fragments": args.fragments, "sync_every": args.sync_every,
+               "apply_rule": args.apply_rule}
     print(json.dumps(summary), flush=True)
 
 
 def summarise(results: dict[str, dict[str, Any]], base_rates: dict[str, float],
+              scenarios: list[str], reference: dict[str, Any] | None = None,
               ) -> dict[str, Any]:
-    def others_rate(system: str) -> float:
+    """The JSON line: the figures of the scenarios that ran (None for one that needs a
+    scenario left out); `reference`, an ftsync no-fault run with the overwrite, gives
+    the held-out loss ratio of another apply rule."""
+    def others_rate(system: str) -> float | None:
+        if not {"no_fault", "straggler"} <= set(scenarios):
+            return None
         own, slow = results[system]["no_fault"]["rates"], results[system]["straggler"]["rates"]
         return float(statistics.mean(slow[i] / own[i] for i in range(LEARNERS - 1) if own[i]))
 
+    kill = {system: results[system].get("kill", {}) for system in SYSTEMS}
     figures = {system: {
-        "goodput": {s: results[system][s]["goodput"] for s in SCENARIOS},
+        "goodput": {s: results[system][s]["goodput"] for s in scenarios},
+        "held_out_loss": {s: results[system][s]["held_out_loss"] for s in scenarios},
         "others_rate_straggler": others_rate(system),
-        "survivor_stall_s": results[system]["kill"]["survivor_stall_s"],
-        "first_merge_after_restart_s": results[system]["kill"]["first_merge_after_restart_s"],
+        "survivor_stall_s": kill[system].get("survivor_stall_s"),
+        "first_merge_after_restart_s": kill[system].get("first_merge_after_restart_s"),
     } for system in SYSTEMS}
     ratios = {s: figures["ftsync"]["goodput"][s] / figures["torchft"]["goodput"][s]
-              if figures["torchft"]["goodput"][s] else float("inf") for s in SCENARIOS}
+              if figures["torchft"]["goodput"][s] else float("inf") for s in scenarios}
     ours = figures["ftsync"]
+    loss_ratio = None
+    if reference is not None and reference["held_out_loss"]:
+        loss_ratio = ours["held_out_loss"]["no_fault"] / reference["held_out_loss"]
     return {
         "name": "peers", "ratio": min(ratios.values()), "target": 1.0,
         "unit": "smallest ftsync / torchft goodput over the scenarios",
         "others_rate_straggler": ours["others_rate_straggler"],
         "survivor_stall_s": ours["survivor_stall_s"],
-        "goodput_no_fault": ours["goodput"]["no_fault"],
+        "goodput_no_fault": ours["goodput"].get("no_fault"),
+        # With another apply rule than the overwrite: its no-fault held-out loss over
+        # the overwrite's (target ≤ 1.01).
+        "held_out_loss_vs_overwrite": loss_ratio,
         "goodput_vs_torchft_min": min(ratios.values()),
         "goodput_ratios": ratios, "targets": TARGETS, "baseline_steps_per_s": base_rates,
         "ftsync": figures["ftsync"], "torchft": figures["torchft"],
-        "runs": results,
+        "runs": results, **({"overwrite_reference": reference} if reference else {}),
     }
 
 
