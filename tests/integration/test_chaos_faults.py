@@ -54,9 +54,10 @@ max_blocked_s = 10
 """
 
 AT = "at_s = 2.5"
-# Where a fault must find the learners training (a failover is timed from it to the
-# next commit): counted from every fragment's first merge, not from the learners'
-# spawn, which a busy machine takes seconds longer to turn into training.
+# Each fault must find the learners training (a kill that a restart and a catch-up
+# follow, a failover timed from it to the next commit): counted from every fragment's
+# first merge, not from the learners' spawn, which a busy machine takes seconds longer
+# to turn into training.
 AFTER_THE_FIRST_MERGE = "at_s = 0.5\nafter_version = 1"
 
 FAULTS = {
@@ -91,7 +92,7 @@ def experiment_text(kind: str) -> str:
         learners = "peers = true" if kind == "kill_learner" else ""
         return EXPERIMENT.format(kind=kind, target=target, extra=extra, duration=2, top="",
                                  coordinator="", steps=900, learners=learners, etcd="",
-                                 checks="")
+                                 checks="").replace(AT, AFTER_THE_FIRST_MERGE)
     members, discovery = HA_FAULTS[kind]
     return EXPERIMENT.format(
         # Paused or cut off past the lease TTL (3 s), so that a standby takes over.
