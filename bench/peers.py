@@ -29,9 +29,10 @@ each slot from its first step to the end of the run, its time down included.
 Printed: each system's per-learner step rate against its own no-fault run, the
 survivors' longest stall within 10 s of the kill, the restarted learner's time
 from its restart to its first merged contribution, goodput, the held-out loss the
-learners end at, and ratios ftsync / torchft. `--apply-rule carry` (or `boundary`)
-runs ftsync's learners with that rule (`learner.schedule.ApplyRule`) and one more
-no-fault run with the overwrite, whose held-out loss the rule's is compared with.
+learners end at, and ratios ftsync / torchft. ftsync's learners apply with the
+learner's default rule, `carry` (`--apply-rule` another: `learner.schedule.ApplyRule`),
+and with any rule but the overwrite one more no-fault run is made with the overwrite,
+whose held-out loss the rule's is compared with.
 Needs the `peers` extra (`pip install -e .[peers]`: torchft 0.2.0).
 
 Run from the repository root: `python -m bench.peers [--duration 40] [--scenarios
@@ -54,6 +55,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from learner.schedule import DEFAULT_RULE, ApplyRule
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = (256, 1024, 640, 64)  # 958,528 weights + biases: about 1M parameters
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--events", default="")
     w.add_argument("--slow", action="store_true")
     w.add_argument("--start-at", type=float, default=0.0, help="epoch seconds")
-    w.add_argument("--apply-rule", default="overwrite")
+    w.add_argument("--apply-rule", default=DEFAULT_RULE.value)
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--kill-at", type=float, default=20.0)
     parser.add_argument("--restart-at", type=float, default=25.0)
@@ -377,8 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-s", type=float, default=15.0)
     parser.add_argument("--startup-s", type=float, default=20.0,
                         help="time given every learner to start before all step together")
-    parser.add_argument("--apply-rule", choices=("overwrite", "carry", "boundary"),
-                        default="overwrite",
+    parser.add_argument("--apply-rule", choices=[rule.value for rule in ApplyRule],
+                        default=DEFAULT_RULE.value,
                         help="what ftsync's learners keep of the steps between a push and "
                              "the apply of its merge (learner.schedule.ApplyRule); with "
                              "another rule than overwrite, an ftsync run with overwrite and no "

@@ -30,7 +30,7 @@ import torch
 from learner.client import Retry, SynchronizerClient
 from learner.fragments import FragmentPlan, FragmentView, plan_fragments
 from learner.peers import PeerSettings
-from learner.schedule import ApplyRule
+from learner.schedule import DEFAULT_RULE, ApplyRule
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from protos.events import EventLog
 from protos.tls import TlsConfig
@@ -65,7 +65,7 @@ class Learner:
                  connect_timeout_s: float = 60.0, max_backlog: int = 8,
                  peers: Sequence[str] = (), serve_peers: str | None = None,
                  peer_transport: str = "bulk", tls: TlsConfig | None = None,
-                 compressed_pulls: bool = False, apply_rule: str = "overwrite") -> None:
+                 compressed_pulls: bool = False, apply_rule: str = DEFAULT_RULE.value) -> None:
         """`sync_every`: H, the local steps between two pushes of a fragment, or
         "auto": the coordinator assigns it from this learner's step rate, so that
         learners of different speeds push each fragment equally often.
@@ -73,7 +73,8 @@ class Learner:
         codec rather than the committed values in fp32; fewer bytes, but the held-out
         loss came out 5-9% worse (`bench.convergence --only ai,ai32`), so not the default.
         `apply_rule`: what applying a merged version keeps of the steps since the push
-        (`learner.schedule.ApplyRule`: overwrite, carry, boundary)."""
+        (`learner.schedule.ApplyRule`: carry, the default, overwrite, boundary);
+        `alpha` > 0 blends under the overwrite rule only."""
         peer_settings = PeerSettings(peers=tuple(peers), serve=serve_peers,
                                      transport=peer_transport,
                                      insecure=tls is not None and tls.insecure)

@@ -27,7 +27,7 @@ import numpy as np
 
 from learner.client import Refused, Retry, SynchronizerClient
 from learner.peers import TRANSPORTS, PeerSettings
-from learner.schedule import ApplyRule
+from learner.schedule import DEFAULT_RULE, ApplyRule
 from learner.streaming import CatchUp, FragmentSync, SyncSettings
 from learner.synthetic import RegressionTask, layout_hash
 from protos import discovery, tls
@@ -144,12 +144,13 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser,
                              "and policy.h_max)")
     parser.add_argument("--fragments", type=int, default=4, help="P: fragments of the model")
     parser.add_argument("--overlap", type=int, default=2, help="τ: steps before applying")
-    parser.add_argument("--alpha", type=float, default=0.0, help="blend of local values kept")
+    parser.add_argument("--alpha", type=float, default=0.0,
+                        help="blend of local values kept (with --apply-rule overwrite)")
     parser.add_argument("--apply-rule", choices=[rule.value for rule in ApplyRule],
-                        default=ApplyRule.OVERWRITE.value,
+                        default=DEFAULT_RULE.value,
                         help="what applying a merged version keeps of the steps since the "
-                             "push: overwrite (none), carry (all of them, on top), boundary "
-                             "(applied at the next due step instead)")
+                             "push: carry (all of them, on top; the default), overwrite "
+                             "(none), boundary (applied at the next due step instead)")
     parser.add_argument("--lockstep", action="store_true",
                         help="wait for each merged fragment when due (synchronous baseline)")
     parser.add_argument("--compression", default="fp32",
@@ -545,7 +546,8 @@ def run_synthetic(args: argparse.Namespace) -> int:
 
     sync = FragmentSync(client, SyncSettings(sync_every=args.sync_every,
                                              overlap_steps=args.overlap, alpha=args.alpha,
-                                             lockstep=args.lockstep),
+                                             lockstep=args.lockstep,
+                                             rule=ApplyRule(args.apply_rule)),
                         read, write, args.peer_settings)
     run = _Run(args.learner_id)
     code = _start(lambda: sync.start(timeout=args.connect_timeout + 30),

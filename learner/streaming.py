@@ -40,6 +40,7 @@ from opentelemetry import trace
 from learner.client import Pulled, SynchronizerClient
 from learner.peers import Fetched, HeldFragments, PeerServer, PeerSettings, fetch_from_peers
 from learner.schedule import (
+    DEFAULT_RULE,
     Action,
     Apply,
     ApplyRule,
@@ -112,7 +113,7 @@ class SyncSettings:
     # training on (with a sync-mode coordinator this is synchronous DiLoCo).
     lockstep: bool = False
     # What an apply keeps of the steps since the push (`learner.schedule.ApplyRule`).
-    rule: ApplyRule = ApplyRule.OVERWRITE
+    rule: ApplyRule = DEFAULT_RULE
 
     def __post_init__(self) -> None:
         check(self, [

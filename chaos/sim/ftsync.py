@@ -14,7 +14,8 @@ data-parallel baselines (`chaos.sim.baselines`) share its failure model:
   pushes, pulls and applies is decided by the production schedule
   (`learner.schedule.Schedule`), as in `learner.streaming.FragmentSync`: the
   simulator calls its `step` only at the steps where it may act
-  (`next_step`), and an apply that overwrites loses the work since the push.
+  (`next_step`), and an apply that overwrites (`training.apply_rule`) loses the
+  work since the push.
 - **dp**: one synchronous data-parallel job on every chip; any failure stops
   it until it is restarted.
 - **elastic-dp**: one job that drops a failed chip and re-forms without it.
@@ -54,7 +55,7 @@ from chaos.sim.results import Result
 from chaos.sim.scenario import Scenario
 from coordinator.errors import Reason, Rejected
 from coordinator.policy import Admission, Offer, Policy, RoundClose
-from learner.schedule import Apply, Pull, Push, Schedule, ScheduleConfig
+from learner.schedule import Apply, ApplyRule, Pull, Push, Schedule, ScheduleConfig
 from protos.contribution import ContributionId
 
 # A kill of the replayed timeline: (time, learner index).
@@ -186,7 +187,8 @@ class FtsyncRun:
         self.P = training.fragments
         self.H = training.sync_every
         self.tau = training.overlap
-        self.config = ScheduleConfig(self.H, self.P, self.tau)
+        self.config = ScheduleConfig(self.H, self.P, self.tau,
+                                     rule=ApplyRule(training.apply_rule))
         self.policy = Policy(s.policy, {p: -1 for p in range(self.P)})
         # Every policy call is preceded by `_refresh`, so a beat is due only when the last
         # is nearly a timeout old; the margin keeps float error away from the boundary.

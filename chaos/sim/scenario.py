@@ -24,6 +24,7 @@ from typing import Literal
 
 from coordinator.config import ConfigError, load
 from coordinator.policy import PolicyConfig
+from learner.schedule import DEFAULT_RULE, ApplyRule
 from protos.settings import check
 
 Method = Literal["ftsync", "dp", "elastic-dp"]
@@ -157,9 +158,14 @@ class TrainingSpec:
     # loss: each contribution's Σ Δ² is 1 + ν and a merge of weights w has
     # 1 + ν·Σw²/(Σw)²), which min_quorum = "auto" measures; 0: no norms reported.
     noise_ratio: float = 0.0
+    # What an apply keeps of the steps since the push (`learner.schedule.ApplyRule`),
+    # the learner's default unless the run it describes set another.
+    apply_rule: str = DEFAULT_RULE.value
 
     def __post_init__(self) -> None:
+        rules = [rule.value for rule in ApplyRule]
         check(self, [
+            (self.apply_rule in rules, "apply_rule", f"must be one of {', '.join(rules)}"),
             *((getattr(self, key) >= 1, key, "must be at least 1")
               for key in ("sync_every", "fragments", "overlap", "progress_every")),
             (self.step_s > 0, "step_s", "must be > 0"),

@@ -33,9 +33,11 @@ def learner(*args: str) -> list[str]:
     (["--task", "synthetic", "--dim", "16", "--fragments", "1000"], ["--fragments 1000",
                                                                       "--dim 16"]),
     (["--apply-rule", "carry", "--alpha", "0.5"], ["carry", "alpha must be 0"]),
+    # The default rule carries: α blends only under the overwrite, and the error says so.
+    (["--alpha", "0.5"], ["carry", "alpha must be 0", "overwrite rule"]),
     (["--apply-rule", "sideways"], ["--apply-rule", "'sideways'"]),
 ], ids=["progress", "step-ms", "threads", "tokens", "batch", "overlap", "fragments",
-        "rule-alpha", "rule"])
+        "rule-alpha", "default-rule-alpha", "rule"])
 def test_a_flag_it_cannot_train_with_is_refused_by_name(args: list[str],
                                                          needles: list[str]) -> None:
     result = subprocess.run(learner("--task", "synthetic", *args), capture_output=True,

@@ -47,7 +47,8 @@ def test_merged_fragment_is_applied_overlap_steps_after_its_push_blended_by_alph
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     overlap = 3
     with Learner(daemon.address, model, sync_every=4, fragments=2, overlap=overlap,
-                 alpha=alpha, device="cpu", learner_id="solo") as learner:
+                 alpha=alpha, device="cpu", learner_id="solo",
+                 apply_rule="overwrite") as learner:
         view = FragmentView(model, learner.plan)
         # Fragment 0 is due at step 4 (t_0 = 0, H = 4): push, then apply at step 4 + τ.
         for _ in range(4):
@@ -112,13 +113,17 @@ def test_a_push_is_answered_by_the_version_that_merges_it_not_an_earlier_one(
         for _ in range(4):  # pushes with base version 0: merged into version 2
             train_step(model, opt)
             learner.step(tokens=32)
+        pushed = view.read(0)
         wait_until(lambda: daemon.status().fragments[0].version == 2, message="v2 commit")
         global_v2 = asyncio.run(fetch_fragment(daemon, learner, 0))
         wait_until(lambda: pull_arrived(learner, 0), message="the pull of v2")
         train_step(model, opt)
+        before = view.read(0)
         assert learner.step(tokens=32) == [0]
         assert learner.applied_versions[0] == 2
-        np.testing.assert_array_equal(view.read(0), global_v2)
+        # Version 2 with the step since the push carried onto it (the default rule).
+        np.testing.assert_allclose(view.read(0), global_v2 + (before - pushed),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_a_push_whose_round_is_slow_to_close_falls_back_to_the_newest_version(

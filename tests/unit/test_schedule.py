@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from learner.schedule import (
+    DEFAULT_RULE,
     Action,
     Apply,
     ApplyRule,
@@ -24,6 +25,10 @@ from learner.schedule import (
     lockstep_resume_step,
     offsets,
 )
+
+# What the default rule's applies say of the steps since the push (the tests of when
+# and what to apply hold for every rule).
+DEFAULT_CARRIES = DEFAULT_RULE is ApplyRule.CARRY
 
 
 def started(**kwargs: object) -> Schedule:
@@ -55,7 +60,7 @@ def test_a_push_is_applied_overlap_steps_later_once_its_version_came() -> None:
     assert pull == Pull(0, 2, pull.ticket)  # the first version holding the push
     schedule.pulled(0, 3, 7, pull.ticket)
     assert not [a for a in schedule.step(5, 1) if isinstance(a, Apply)]
-    assert Apply(0, 3, 0.0, False) in schedule.step(6, 1)
+    assert Apply(0, 3, 0.0, DEFAULT_CARRIES) in schedule.step(6, 1)
     assert schedule.version(0) == 3
 
 
@@ -101,7 +106,7 @@ def test_a_version_committed_again_is_pulled_at_once() -> None:
     [pull] = schedule.step(1, 1)
     assert isinstance(pull, Pull) and (pull.p, pull.newer_than) == (0, -1)
     schedule.pulled(0, 0, 2, pull.ticket)
-    assert Apply(0, 0, 0.0, False) in schedule.step(2, 1)
+    assert Apply(0, 0, 0.0, DEFAULT_CARRIES) in schedule.step(2, 1)
 
 
 def test_a_rewind_is_followed() -> None:
@@ -109,7 +114,7 @@ def test_a_rewind_is_followed() -> None:
     push = next(a for a in run_to(schedule, 4) if isinstance(a, Push) and a.p == 0)
     [pull] = schedule.acked(0, None, push.ticket)
     schedule.pulled(0, 0, 5, pull.ticket, rewound=True)
-    assert Apply(0, 0, 0.0, False) in schedule.step(5, 1)
+    assert Apply(0, 0, 0.0, DEFAULT_CARRIES) in schedule.step(5, 1)
 
 
 def test_lockstep_waits_instead_of_falling_back_and_resumes_in_phase() -> None:
@@ -140,7 +145,7 @@ def test_a_driver_that_waits_applies_each_merge_before_the_next_step() -> None:
     assert schedule.unanswered() == [1]
     schedule.pulled(1, None, 0, pull_1.ticket)  # none came within the pull's wait
     assert schedule.unanswered() == []
-    assert schedule.apply_now() == [Apply(0, 1, 0.0, False)]
+    assert schedule.apply_now() == [Apply(0, 1, 0.0, DEFAULT_CARRIES)]
     assert schedule.apply_now() == [] and schedule.versions() == {0: 1, 1: 0}
     # The next fit's pushes: fragment 0 from the merged version, fragment 1 from its own.
     assert [(a.p, a.base, a.steps) for a in schedule.step(2, 10) if isinstance(a, Push)] == [

@@ -31,7 +31,8 @@ from chaos.sim.scenario import (
 from coordinator import policy as policy_module
 from coordinator.config import ConfigError
 from coordinator.policy import PolicyConfig
-from learner.schedule import offsets
+from learner.schedule import DEFAULT_RULE, ScheduleConfig, offsets
+from learner.streaming import SyncSettings
 
 ROOT = Path(__file__).parents[2]
 SCENARIOS = sorted((ROOT / "experiments" / "sim").glob("*.toml"))
@@ -75,15 +76,32 @@ def test_without_failures_dp_goodput_is_one() -> None:
         assert r.uptime == pytest.approx(1.0)
 
 
-def test_without_failures_ftsync_loses_only_the_overlap() -> None:
+def test_without_failures_ftsync_overwriting_loses_only_the_overlap() -> None:
     """A pulled fragment overwrites the τ steps since its push: goodput 1 − τ/H,
     and 1 as τ/H -> 0."""
-    r = simulate(scenario())
+    overwrite = with_training(scenario(), apply_rule="overwrite")
+    r = simulate(overwrite)
     assert r.failures == 0 and r.dropped == {} and r.merged == r.contributions
     assert r.goodput == pytest.approx(1 - 2 / 40, abs=0.005)
     assert r.uptime == pytest.approx(1.0)
-    long_h = simulate(with_training(scenario(), sync_every=2000, overlap=1))
+    long_h = simulate(with_training(overwrite, sync_every=2000, overlap=1))
     assert long_h.goodput == pytest.approx(1.0, abs=0.002)
+
+
+@pytest.mark.parametrize("rule", ["carry", "boundary"])
+def test_without_failures_ftsync_keeping_the_steps_since_the_push_loses_nothing(
+        rule: str) -> None:
+    """Carried onto the merged version, or applied right after the next push (which
+    sent them), the τ steps since a push are work: goodput 1 at the same τ/H."""
+    r = simulate(with_training(scenario(), apply_rule=rule))
+    assert r.failures == 0 and r.dropped == {} and r.merged == r.contributions
+    assert r.goodput == pytest.approx(1.0, abs=0.001)
+
+
+def test_the_simulator_applies_as_the_learner_does_by_default() -> None:
+    assert scenario().training.apply_rule == DEFAULT_RULE.value
+    assert ScheduleConfig(sync_every=40, fragments=4).rule is DEFAULT_RULE
+    assert SyncSettings().rule is DEFAULT_RULE
 
 
 @pytest.mark.parametrize(("mtbf_cluster", "restart", "startup", "catchup"), [
@@ -135,8 +153,9 @@ def test_elastic_learners_beat_restarting_ones() -> None:
     assert elastic.goodput > restarting.goodput + 0.1
     assert elastic.failures > 50
     # A learner of 16 chips fails every 2000 s: it pauses 10 s to re-form, and
-    # runs a chip short for the 1500 s that chip takes to come back.
-    expected = (1 - 2 / 40) * (1 - 10 / 2000) * (1 - 1500 / 2000 / 16)
+    # runs a chip short for the 1500 s that chip takes to come back (the τ steps
+    # after each push are carried onto the merged version: no loss there).
+    expected = (1 - 10 / 2000) * (1 - 1500 / 2000 / 16)
     assert elastic.goodput == pytest.approx(expected, abs=0.02)
 
 
