@@ -58,8 +58,11 @@ def run_experiment(path: Path, out: Path | None, live: bool = True) -> int:
     console.print(f"running [bold]{experiment.name}[/bold] ({experiment.learners.count} "
                   f"learners, {len(experiment.faults)} fault specs, seed {experiment.seed}); "
                   f"output in {out}/")
-    # A polite kill of the harness stops the cluster as Ctrl-C does.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # A polite kill of the harness stops the cluster as Ctrl-C does. SIGINT too, set
+    # here rather than left to Python: a harness started in the background by a shell
+    # without job control (a script's `&`, some CI runners) inherits SIGINT ignored,
+    # and Python then installs no handler of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         if live:

@@ -6,8 +6,11 @@ on a real etcd."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +297,44 @@ def test_a_fault_is_survived_with_mutual_tls_on_every_channel(tmp_path: Path, ki
     if kind == "adversary":
         rejects = {e["reason"] for e in events if e["kind"] == "reject"}
         assert {"not_finite", "bad_shape", "norm_bound"} <= rejects
+
+
+def test_sigint_stops_a_run_whose_harness_was_started_with_sigint_ignored(
+        tmp_path: Path) -> None:
+    """Started as a shell without job control starts a background job (SIGINT
+    ignored, inherited), the harness still stops its cluster on SIGINT: exit 130,
+    no process of the run left."""
+    path = tmp_path / "interrupted.toml"
+    path.write_text(EXPERIMENT.format(kind="straggle", target="learner-0", extra="duty = 0.5",
+                                      duration=2, top="", coordinator="", steps=100000,
+                                      learners="", etcd="", checks=""))
+    out = tmp_path / "out"
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "run", str(path), "--out", str(out), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        logs = [out / f"learner-{i}.events.jsonl" for i in range(2)]
+        deadline = time.monotonic() + 60
+        while not all(log.exists() and '"train"' in log.read_text() for log in logs):
+            assert harness.poll() is None and time.monotonic() < deadline, "no training"
+            time.sleep(0.1)
+        harness.send_signal(signal.SIGINT)
+        said, _ = harness.communicate(timeout=60)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    assert harness.returncode == 130, said
+    assert "interrupted" in said
+    started = [json.loads(line) for line in (out / "harness.events.jsonl").read_text()
+               .splitlines() if '"process_start"' in line]
+    assert len(started) >= 3  # the coordinator and both learners
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    assert not [e["name"] for e in started if alive(e["pid"])]
