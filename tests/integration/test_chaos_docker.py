@@ -14,7 +14,6 @@ on an idle machine too.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,8 +26,7 @@ import pytest
 from chaos.docker import EXPERIMENT_LABEL, leftovers
 from chaos.experiment import Experiment
 from coordinator.config import ConfigError, load
-from tests.docker import wait_for
-from tests.integration.test_chaos_faults import run
+from tests.integration.test_chaos_faults import interrupt_midway, run
 
 EXPERIMENT = """\
 name = "{name}"
@@ -156,20 +154,13 @@ def test_a_run_interrupted_midway_leaves_no_container_network_or_volume(
     path = tmp_path / "experiment.toml"
     path.write_text(EXPERIMENT.format(name=name, image=image, steps=100000, step_ms=5,
                                       faults="", **SINGLE))
-    harness = subprocess.Popen([sys.executable, "-m", "chaos", "run", str(path), "--out",
-                                str(tmp_path / "out"), "--quiet"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        # Midway: every learner container running and logging.
-        wait_for(lambda: all((tmp_path / "out" / f"learner-{i}.events.jsonl").exists()
-                             for i in range(2)), 120, "both learners running")
-        assert len(nothing_left(name)) >= 5  # network, coordinator, 2 proxies, 2 learners
-        harness.send_signal(signal.SIGINT)
-        said, _ = harness.communicate(timeout=120)
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-    assert harness.returncode == 130, said
+    out = tmp_path / "out"
+    # Midway: every learner container running and logging, and the network, the
+    # coordinator, 2 proxies and 2 learners there.
+    code, said = interrupt_midway(
+        path, out, lambda: all((out / f"learner-{i}.events.jsonl").exists()
+                               for i in range(2)) and len(nothing_left(name)) >= 5, 120)
+    assert code == 130, said
     assert nothing_left(name) == []
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,30 @@ def test_a_fault_is_survived_with_mutual_tls_on_every_channel(tmp_path: Path, ki
         assert {"not_finite", "bad_shape", "norm_bound"} <= rejects
 
 
+def interrupt_midway(path: Path, out: Path, midway: Callable[[], bool], timeout: float,
+                     ignore_sigint: bool = False) -> tuple[int, str]:
+    """Run experiment `path` through the user's command and SIGINT it once `midway()`
+    holds; its exit code and what it said. `ignore_sigint`: start it with SIGINT
+    ignored, as a shell without job control starts a background job."""
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "chaos", "run", str(path), "--out", str(out), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint
+        else None)
+    try:
+        deadline = time.monotonic() + timeout
+        while not midway():
+            assert harness.poll() is None, harness.communicate()[0]
+            assert time.monotonic() < deadline, "the run never came midway"
+            time.sleep(0.1)
+        harness.send_signal(signal.SIGINT)
+        said, _ = harness.communicate(timeout=timeout)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    return harness.returncode, said
+
+
 def test_sigint_stops_a_run_whose_harness_was_started_with_sigint_ignored(
         tmp_path: Path) -> None:
     """Started as a shell without job control starts a background job (SIGINT
@@ -309,22 +334,11 @@ def test_sigint_stops_a_run_whose_harness_was_started_with_sigint_ignored(
                                       duration=2, top="", coordinator="", steps=100000,
                                       learners="", etcd="", checks=""))
     out = tmp_path / "out"
-    harness = subprocess.Popen(
-        [sys.executable, "-m", "chaos", "run", str(path), "--out", str(out), "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    try:
-        logs = [out / f"learner-{i}.events.jsonl" for i in range(2)]
-        deadline = time.monotonic() + 60
-        while not all(log.exists() and '"train"' in log.read_text() for log in logs):
-            assert harness.poll() is None and time.monotonic() < deadline, "no training"
-            time.sleep(0.1)
-        harness.send_signal(signal.SIGINT)
-        said, _ = harness.communicate(timeout=60)
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-    assert harness.returncode == 130, said
+    logs = [out / f"learner-{i}.events.jsonl" for i in range(2)]
+    code, said = interrupt_midway(
+        path, out, lambda: all(log.exists() and '"train"' in log.read_text() for log in logs),
+        60, ignore_sigint=True)
+    assert code == 130, said
     assert "interrupted" in said
     started = [json.loads(line) for line in (out / "harness.events.jsonl").read_text()
                .splitlines() if '"process_start"' in line]
