@@ -509,6 +509,17 @@ class Engine:
             await self.wait_out_cut(header)
             raise Rejected(Reason.BAD_SHAPE, ended.message) from None
 
+    def _require_term(self, policy: Policy, store: FragmentStore) -> None:
+        """`NotLeader` unless this replica still leads with the state a push began
+        with. One that stepped down while the push streamed, and maybe leads again
+        under a new epoch, dropped that state's open rounds: acknowledged, the push
+        would sit in a round nothing commits, and its learner, which pushes again only
+        what was unacknowledged when it joined again, would count it merged once a
+        newer seq of it is. Refused, it is pushed again to whoever leads."""
+        self.require_leader()
+        if self.policy is not policy or self.store is not store:
+            raise NotLeader(self.leader_address, self.epoch)
+
     async def wait_out_cut(self, header: pb.PushHeader | None) -> None:
         """Before a push stream that ended too early is refused: a call cut short
         (the learner cancelled it, died or moved to another replica, or gRPC refused
@@ -551,6 +562,7 @@ class Engine:
                                                    prescale, announce)
             self.metrics.bytes_in.add(nbytes, {"learner": header.learner_id})
             async with store.lock(p):
+                self._require_term(policy, store)
                 if header.init:
                     policy.check_initialize(p, header.seq)
                     await store.initialize(p, lease.buffer, {header.learner_id: header.seq},
@@ -564,6 +576,7 @@ class Engine:
                 await self._reserve_seq(policy, header.learner_id, header.seq)
                 lease.buffer = await store.fold(p, lease.buffer, admission.weight, norm,
                                                 prescale)
+                self._require_term(policy, store)
                 policy.accept(admission, self.clock(), norm_sq=norm * norm)
         self.learners.setdefault(header.learner_id, LearnerStats()).contributions += 1
         self.metrics.contributions.add(1, {"fragment": str(p)})

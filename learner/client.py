@@ -349,21 +349,23 @@ class SynchronizerClient:
         self.events.emit("push_invoke", learner=self.learner_id, fragment=c.fragment,
                          seq=c.seq, base_version=c.base_version, c_steps=c.c_steps,
                          work_s=round(c.work_s, 4))
-        try:
-            with self.outbox.sending(c):
-                ack = await self._call(lambda: self._push(header, c.delta, self.codec))
-        except Refused as refused:
-            if refused.reason in _GO_ELSEWHERE:  # none led while it retried: none refused it
-                self._unsent(c, refused)
-            else:
-                self._report(self.outbox.refused(
-                    c, refused.reason, int(refused.facts.get(metadata.MERGED_SEQ, "0")),
-                    refused.details))
-            return None
-        except (grpc.RpcError, TimeoutError) as exc:
-            self._unsent(c, exc)
-            return None
-        self.outbox.acked(c, int(ack.target_version))
+        while True:
+            try:
+                with self.outbox.sending(c):
+                    ack = await self._call(lambda: self._push(header, c.delta, self.codec))
+            except Refused as refused:
+                if refused.reason in _GO_ELSEWHERE:  # none led while it retried
+                    self._unsent(c, refused)
+                else:
+                    self._report(self.outbox.refused(
+                        c, refused.reason, int(refused.facts.get(metadata.MERGED_SEQ, "0")),
+                        refused.details))
+                return None
+            except (grpc.RpcError, TimeoutError) as exc:
+                self._unsent(c, exc)
+                return None
+            if self.outbox.acked(c, int(ack.target_version)):
+                break
         self.events.emit("push_ack", learner=self.learner_id, fragment=c.fragment, seq=c.seq,
                          target=ack.target_version, weight=ack.weight,
                          staleness=ack.staleness)

@@ -36,6 +36,9 @@ class Contribution:
     work_s: float = 0.0
     acknowledged: bool = False
     in_flight: bool = False
+    # Under way when the learner joined again: its answer may be the replaced
+    # coordinator's, so an acknowledgement of it does not stand.
+    joined_meanwhile: bool = False
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Outbox:
         self._next_seq = max(self._next_seq, next_seq)
         for c in self._held.values():
             c.acknowledged = False
+            c.joined_meanwhile = c.in_flight
 
     def observe(self, fragment: int, merged_seq: int) -> list[Settled]:
         """The coordinator's durable watermark for `fragment`: every contribution
@@ -120,10 +124,19 @@ class Outbox:
         finally:
             c.in_flight = False
 
-    def acked(self, c: Contribution, target_version: int) -> None:
-        """The coordinator holds `c` in the round that commits `target_version`."""
+    def acked(self, c: Contribution, target_version: int) -> bool:
+        """The coordinator holds `c` in the round that commits `target_version`;
+        False when the learner joined again while `c` was pushed: the coordinator
+        that answered may be the one the join replaced, whose rounds are gone, so `c`
+        is to be pushed again (a coordinator that does hold it answers the repeat as
+        a replay in its open round)."""
+        if c.joined_meanwhile:
+            c.joined_meanwhile = False
+            self.stats.repushed += 1
+            return False
         c.acknowledged = True
         self.stats.pushed[c.fragment] = target_version
+        return True
 
     def refused(self, c: Contribution, reason: str, merged_seq: int,
                 detail: str = "") -> Settled | None:

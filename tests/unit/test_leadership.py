@@ -192,6 +192,55 @@ def test_an_elected_engine_that_cannot_replicate_steps_down_and_resigns(
     run(engine, scenario)
 
 
+def test_a_push_that_streams_across_a_step_down_and_a_new_term_is_refused_not_acked(
+        tmp_path: Path) -> None:
+    """A leader whose lease lapsed mid-push and that was elected again under a new
+    epoch: the push began with the old term's round, which is gone. Acknowledged, it
+    would be merged nowhere (a loaded CI run's docker partition test lost one so);
+    refused, the learner pushes it again to the new term, which takes it."""
+    leadership = Elected()
+    engine = engine_in(tmp_path, leadership, HaConfig(etcd=("127.0.0.1:2379",)))
+    waiting, release = asyncio.Event(), asyncio.Event()
+
+    async def held_push(seq: int) -> None:
+        values = np.full(NUMEL, 0.01, np.float32)
+        header = pb.PushHeader(learner_id="a", fragment=0, layout_hash="layout", seq=seq,
+                               base_version=0, c_tokens=100, c_steps=10,
+                               codec=pb.CODEC_FP32, numel=NUMEL)
+
+        async def chunks() -> AsyncIterator[pb.PushMessage]:
+            waiting.set()  # admitted and staged: the engine asks for its chunk
+            await release.wait()
+            for message in iter_chunk_messages(values, codec_named("fp32"), pb.PushMessage):
+                yield message
+
+        await engine.push(header, chunks())
+
+    async def scenario() -> None:
+        await engine.promote(3, None)
+        engine.join(JOIN)
+        await push(engine, 1, init=True)
+        streaming = asyncio.ensure_future(held_push(2))
+        await waiting.wait()
+        engine.demote("lease not renewed in time")
+        await engine.promote(4, None)
+        engine.leader_seen(LeaderRecord("r1", leadership.address, 4))
+        release.set()
+        with pytest.raises(NotLeader) as refused:
+            await streaming
+        assert refused.value.leader == leadership.address
+        # Joined again (a learner does on NotLeader), the push is taken and merged.
+        engine.join(JOIN)
+        await held_push(2)
+        await committed(engine)
+        assert engine.store is not None
+        assert engine.store.slots[0].published is not None
+
+    run(engine, scenario)
+    (commit,) = events(tmp_path, "commit")
+    assert commit["epoch"] == 4 and [m["seq"] for m in commit["manifest"]] == [2]
+
+
 def test_a_commit_is_logged_at_its_publication_even_when_logged_late(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader SIGSTOPped between publishing a version and logging it wrote the

@@ -72,6 +72,28 @@ def test_a_join_leaves_every_contribution_to_push_again_but_the_one_in_flight() 
     assert not outbox.pushing_again(b) and outbox.stats.repushed == 1
 
 
+def test_an_ack_of_a_push_under_way_when_the_learner_joined_again_does_not_stand() -> None:
+    """The coordinator that answered may be the one the join replaced (a leader
+    that stepped down mid-push and led again under a new epoch): the push goes
+    again, and the repeat's answer stands."""
+    outbox = Outbox()
+    c = pushed(outbox)
+    with outbox.sending(c):
+        outbox.joined(next_seq=1)
+    assert not outbox.acked(c, 4)
+    assert not c.acknowledged and outbox.to_push_again() == [c]
+    assert outbox.stats.repushed == 1 and outbox.stats.pushed == {}
+    with outbox.sending(c):
+        pass
+    assert outbox.acked(c, 4) and c.acknowledged and outbox.stats.pushed == {0: 4}
+    # A join while nothing is under way leaves the next ack standing.
+    d = pushed(outbox)
+    outbox.joined(next_seq=1)
+    with outbox.sending(d):
+        pass
+    assert outbox.acked(d, 5)
+
+
 def test_a_contribution_never_sent_is_dropped_without_a_seq() -> None:
     outbox = Outbox()
     assert outbox.dropped_unsent(1, "backlog_full", work_s=0.5) == Settled(
