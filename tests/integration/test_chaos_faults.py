@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from protos.events import problems
+from tests.daemon import wait_until
 
 # Whole experiments or clusters: `deploy/dev test -m 'not slow'` leaves them out.
 pytestmark = pytest.mark.slow
@@ -311,11 +311,10 @@ def interrupt_midway(path: Path, out: Path, midway: Callable[[], bool], timeout:
         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint
         else None)
     try:
-        deadline = time.monotonic() + timeout
-        while not midway():
-            assert harness.poll() is None, harness.communicate()[0]
-            assert time.monotonic() < deadline, "the run never came midway"
-            time.sleep(0.1)
+        # Every half second: a look may be a `docker` command.
+        wait_until(lambda: harness.poll() is not None or midway(), timeout, 0.5,
+                   "the run to come midway")
+        assert harness.poll() is None, harness.communicate()[0]
         harness.send_signal(signal.SIGINT)
         said, _ = harness.communicate(timeout=timeout)
     finally:

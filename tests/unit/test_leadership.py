@@ -80,14 +80,18 @@ def run(engine: Engine, scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(started())
 
 
-async def push(engine: Engine, seq: int, init: bool = False) -> None:
-    """Learner a's initial value of fragment 0, or a contribution against version 0."""
+async def push(engine: Engine, seq: int, init: bool = False,
+               before_chunks: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Learner a's initial value of fragment 0, or a contribution against version 0;
+    `before_chunks` is awaited when the engine asks for the first chunk."""
     values = np.full(NUMEL, 1.0 if init else 0.01, np.float32)
     header = pb.PushHeader(learner_id="a", fragment=0, layout_hash="layout", seq=seq,
                            base_version=0, c_tokens=100, c_steps=10, codec=pb.CODEC_FP32,
                            numel=NUMEL, init=init)
 
     async def chunks() -> AsyncIterator[pb.PushMessage]:
+        if before_chunks is not None:
+            await before_chunks()
         for message in iter_chunk_messages(values, codec_named("fp32"), pb.PushMessage):
             yield message
 
@@ -202,25 +206,15 @@ def test_a_push_that_streams_across_a_step_down_and_a_new_term_is_refused_not_ac
     engine = engine_in(tmp_path, leadership, HaConfig(etcd=("127.0.0.1:2379",)))
     waiting, release = asyncio.Event(), asyncio.Event()
 
-    async def held_push(seq: int) -> None:
-        values = np.full(NUMEL, 0.01, np.float32)
-        header = pb.PushHeader(learner_id="a", fragment=0, layout_hash="layout", seq=seq,
-                               base_version=0, c_tokens=100, c_steps=10,
-                               codec=pb.CODEC_FP32, numel=NUMEL)
-
-        async def chunks() -> AsyncIterator[pb.PushMessage]:
-            waiting.set()  # admitted and staged: the engine asks for its chunk
-            await release.wait()
-            for message in iter_chunk_messages(values, codec_named("fp32"), pb.PushMessage):
-                yield message
-
-        await engine.push(header, chunks())
+    async def held() -> None:
+        waiting.set()  # admitted and staged: the engine asks for its chunk
+        await release.wait()
 
     async def scenario() -> None:
         await engine.promote(3, None)
         engine.join(JOIN)
         await push(engine, 1, init=True)
-        streaming = asyncio.ensure_future(held_push(2))
+        streaming = asyncio.ensure_future(push(engine, 2, before_chunks=held))
         await waiting.wait()
         engine.demote("lease not renewed in time")
         await engine.promote(4, None)
@@ -231,7 +225,7 @@ def test_a_push_that_streams_across_a_step_down_and_a_new_term_is_refused_not_ac
         assert refused.value.leader == leadership.address
         # Joined again (a learner does on NotLeader), the push is taken and merged.
         engine.join(JOIN)
-        await held_push(2)
+        await push(engine, 2)
         await committed(engine)
         assert engine.store is not None
         assert engine.store.slots[0].published is not None

@@ -31,8 +31,7 @@ from chaos.sim.scenario import (
 from coordinator import policy as policy_module
 from coordinator.config import ConfigError
 from coordinator.policy import PolicyConfig
-from learner.schedule import DEFAULT_RULE, ScheduleConfig, offsets
-from learner.streaming import SyncSettings
+from learner.schedule import offsets
 
 ROOT = Path(__file__).parents[2]
 SCENARIOS = sorted((ROOT / "experiments" / "sim").glob("*.toml"))
@@ -96,12 +95,6 @@ def test_without_failures_ftsync_keeping_the_steps_since_the_push_loses_nothing(
     r = simulate(with_training(scenario(), apply_rule=rule))
     assert r.failures == 0 and r.dropped == {} and r.merged == r.contributions
     assert r.goodput == pytest.approx(1.0, abs=0.001)
-
-
-def test_the_simulator_applies_as_the_learner_does_by_default() -> None:
-    assert scenario().training.apply_rule == DEFAULT_RULE.value
-    assert ScheduleConfig(sync_every=40, fragments=4).rule is DEFAULT_RULE
-    assert SyncSettings().rule is DEFAULT_RULE
 
 
 @pytest.mark.parametrize(("mtbf_cluster", "restart", "startup", "catchup"), [
