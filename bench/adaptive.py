@@ -23,6 +23,12 @@ final loss plus 2%, and each run's figure is the wall-clock time from the first 
 the first moment its loss is at or below the target (a run that never gets there counts
 twice its wall-clock, marked `reached: false`).
 
+Each cell runs `--repeats` times (seeds 0, 1, ...; the repeats outermost, so that a
+change in the machine's load falls on every K alike) and its figures are medians: the
+target is the best static K's median final loss plus 2%, a cell's time is the median of
+its runs' times to it. A single run of 6-10 s moves by a round or two between runs,
+more than the 3% the target allows.
+
 `auto_k_vs_best_static` = auto's time to target over the best static K's, in the worst
 setting (target ≤ 1.03); `auto_k_best_gain` = over settings, the fastest static K's time
 over auto's (target ≥ 1.10 in at least one).
@@ -32,7 +38,7 @@ learner at `--sync-every H` (default 20) against `--sync-every auto` with
 `policy.h_max = H` (the fastest keeps H, a learner k times slower gets about H/k).
 `auto_h_staleness_ratio` = fixed H's mean staleness of merged contributions over auto's
 (target ≥ 2); `auto_h_loss_ratio` = auto's held-out loss over fixed H's at equal
-wall-clock, the shorter run's end (target ≤ 1.00).
+wall-clock, the shorter run's end (target ≤ 1.00); medians over the repeats as well.
 
 Run from the repository root: `python -m bench.adaptive [--quick] [--parts quorum,local_steps]
 [--set KEY=VALUE ...]` (`--set`: a coordinator setting for every run). Progress goes to
@@ -45,6 +51,7 @@ import argparse
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,7 +172,7 @@ class Followed:
 
 
 def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace,
-                sync_every: int | str | None = None) -> Run:
+                sync_every: int | str | None = None, seed: int = 0) -> Run:
     """One run; `sync_every` None: the learners' default H."""
     with tempfile.TemporaryDirectory(prefix="ftsync-adaptive-") as tmp:
         events = Path(tmp) / "events.jsonl"
@@ -185,7 +192,7 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace,
                 process = subprocess.Popen(
                     [sys.executable, "-m", "learner", "--coordinator", coordinator.address,
                      "--task", "digits", "--size", "small", "--learner-id", f"learner-{i}",
-                     "--shard", str(i), "--num-shards", str(LEARNERS), "--seed", "0",
+                     "--shard", str(i), "--num-shards", str(LEARNERS), "--seed", str(seed),
                      "--batch", str(setting.batch), "--steps", str(args.steps * 4),
                      "--step-ms", str(args.step_ms * slowdown),
                      "--progress-every", str(args.eval_every),
@@ -247,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=20,
                         help="the fixed H, and policy.h_max of the auto runs")
     parser.add_argument("--only", default="", help="settings to run, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per cell, seeds 0.. (figures are medians)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a coordinator setting for every run (repeatable)")
     parser.add_argument("--parts", default="quorum,local_steps",
@@ -255,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     quorums = QUORUMS
     if args.quick:
-        args.steps, quorums = 60, (1, "auto")
+        args.steps, args.repeats, quorums = 60, 1, (1, "auto")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (got {args.repeats})")
     parts = set(args.parts.split(","))
     if parts - {"quorum", "local_steps"}:
         parser.error(f"--parts takes quorum and local_steps, not {sorted(parts)}")
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {
         "name": "adaptive", "target": 1.03,
         "unit": "auto quorum's time to target / best static quorum's (worst setting)",
-        "steps_per_learner": args.steps}
+        "steps_per_learner": args.steps, "repeats": args.repeats}
     if "quorum" in parts:
         result.update(compare_quorums(settings, quorums, args))
     if "local_steps" in parts:
@@ -273,31 +284,40 @@ def main(argv: list[str] | None = None) -> None:
 
 def compare_quorums(settings: list[Setting], quorums: tuple[int | str, ...],
                     args: argparse.Namespace) -> dict[str, Any]:
-    """Static K against auto in each setting: time to the best static run's loss + 2%."""
+    """Static K against auto in each setting: median time to the best static K's
+    median final loss + 2%, over `args.repeats` seeds."""
     scenarios: dict[str, Any] = {}
     ratios, gains = [], []
     for setting in settings:
-        runs = {}
-        for quorum in quorums:
-            log(f"{setting.name}: K={quorum}")
-            runs[quorum] = run_cluster(setting, quorum, args)
-            r = runs[quorum]
-            log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} staleness {r.mean_staleness:.2f} "
-                f"rounds by quorum {r.rounds}")
-        static = {k: r for k, r in runs.items() if k != "auto"}
-        target = min(r.final for r in static.values()) * 1.02
-        times = {k: r.time_to(target) for k, r in runs.items()}
-        best_static = min(times[k][0] for k in static)
-        auto_time = times["auto"][0]
-        ratios.append(auto_time / best_static)
-        gains.append(best_static / auto_time)
+        runs: dict[int | str, list[Run]] = {quorum: [] for quorum in quorums}
+        for seed in range(args.repeats):
+            for quorum in quorums:
+                log(f"{setting.name}: K={quorum} seed {seed}")
+                r = run_cluster(setting, quorum, args, seed=seed)
+                runs[quorum].append(r)
+                log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} "
+                    f"staleness {r.mean_staleness:.2f} rounds by quorum {r.rounds}")
+        finals = {k: statistics.median(r.final for r in rs) for k, rs in runs.items()}
+        target = min(f for k, f in finals.items() if k != "auto") * 1.02
+        each = {k: [r.time_to(target) for r in rs] for k, rs in runs.items()}
+        times = {k: statistics.median(t for t, _ in ts) for k, ts in each.items()}
+        best_static = min(t for k, t in times.items() if k != "auto")
+        ratios.append(times["auto"] / best_static)
+        gains.append(best_static / times["auto"])
+        auto_rounds: dict[int, int] = {}
+        for r in runs["auto"]:
+            for k, n in r.rounds.items():
+                auto_rounds[k] = auto_rounds.get(k, 0) + n
         scenarios[setting.name] = {
             "target": round(target, 4),
-            "time_to_target_s": {str(k): round(t, 2) for k, (t, _) in times.items()},
-            "reached": {str(k): ok for k, (_, ok) in times.items()},
-            "final_loss": {str(k): round(r.final, 4) for k, r in runs.items()},
-            "mean_staleness": {str(k): round(r.mean_staleness, 3) for k, r in runs.items()},
-            "auto_rounds_by_quorum": runs["auto"].rounds,
+            "time_to_target_s": {str(k): round(t, 2) for k, t in times.items()},
+            "time_to_target_each_s": {str(k): [round(t, 2) for t, _ in ts]
+                                      for k, ts in each.items()},
+            "reached": {str(k): sum(ok for _, ok in ts) for k, ts in each.items()},
+            "final_loss": {str(k): round(f, 4) for k, f in finals.items()},
+            "mean_staleness": {str(k): round(statistics.median(r.mean_staleness for r in rs), 3)
+                               for k, rs in runs.items()},
+            "auto_rounds_by_quorum": auto_rounds,
         }
     return {"ratio": round(max(ratios), 3), "auto_k_vs_best_static": round(max(ratios), 3),
             "auto_k_best_gain": round(max(gains), 3), "scenarios": scenarios}
@@ -305,28 +325,35 @@ def compare_quorums(settings: list[Setting], quorums: tuple[int | str, ...],
 
 def compare_local_steps(args: argparse.Namespace) -> dict[str, Any]:
     """Fixed H against `--sync-every auto` on the heterogeneous setting, at the
-    experiment's automatic quorum: staleness, and held-out loss at equal wall-clock."""
+    experiment's automatic quorum: staleness, and held-out loss at equal wall-clock
+    (each seed's pair compared at the shorter run's end; medians over the seeds)."""
     setting = SETTINGS[0]
-    runs = {}
-    for sync_every in (args.sync_every, "auto"):
-        log(f"{setting.name}: H={sync_every}")
-        runs[sync_every] = r = run_cluster(setting, "auto", args, sync_every)
-        log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} staleness {r.mean_staleness:.2f} "
-            f"rounds by quorum {r.rounds} assigned {r.assigned}")
-    fixed, auto = runs[args.sync_every], runs["auto"]
-    at = min(fixed.wall_s, auto.wall_s)
+    pairs = []
+    for seed in range(args.repeats):
+        pair = {}
+        for sync_every in (args.sync_every, "auto"):
+            log(f"{setting.name}: H={sync_every} seed {seed}")
+            pair[sync_every] = r = run_cluster(setting, "auto", args, sync_every, seed)
+            log(f"  wall {r.wall_s:.1f}s final {r.final:.4f} staleness {r.mean_staleness:.2f} "
+                f"rounds by quorum {r.rounds} assigned {r.assigned}")
+        pairs.append((pair[args.sync_every], pair["auto"]))
+    at = [min(fixed.wall_s, auto.wall_s) for fixed, auto in pairs]
+    losses = [(fixed.loss_at(t), auto.loss_at(t)) for (fixed, auto), t in zip(pairs, at,
+                                                                              strict=True)]
+    staleness = {"fixed": statistics.median(fixed.mean_staleness for fixed, _ in pairs),
+                 "auto": statistics.median(auto.mean_staleness for _, auto in pairs)}
     return {
-        "auto_h_staleness_ratio": round(fixed.mean_staleness / max(auto.mean_staleness, 1e-9),
-                                        3),
-        "auto_h_loss_ratio": round(auto.loss_at(at) / fixed.loss_at(at), 4),
+        "auto_h_staleness_ratio": round(staleness["fixed"] / max(staleness["auto"], 1e-9), 3),
+        "auto_h_loss_ratio": round(statistics.median(a / f for f, a in losses), 4),
         "local_steps": {
-            "fixed_h": args.sync_every, "equal_wall_clock_s": round(at, 2),
-            "loss_at_equal_wall_clock": {"fixed": round(fixed.loss_at(at), 4),
-                                         "auto": round(auto.loss_at(at), 4)},
-            "mean_staleness": {"fixed": round(fixed.mean_staleness, 3),
-                               "auto": round(auto.mean_staleness, 3)},
-            "rounds_by_quorum": {"fixed": fixed.rounds, "auto": auto.rounds},
-            "assigned": auto.assigned},
+            "fixed_h": args.sync_every,
+            "equal_wall_clock_s": [round(t, 2) for t in at],
+            "loss_at_equal_wall_clock": {"fixed": [round(f, 4) for f, _ in losses],
+                                         "auto": [round(a, 4) for _, a in losses]},
+            "mean_staleness": {k: round(v, 3) for k, v in staleness.items()},
+            "rounds_by_quorum": {"fixed": [fixed.rounds for fixed, _ in pairs],
+                                 "auto": [auto.rounds for _, auto in pairs]},
+            "assigned": [auto.assigned for _, auto in pairs]},
     }
 
 
