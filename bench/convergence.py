@@ -403,7 +403,7 @@ def run_single(s: Settings) -> dict[str, Any]:
 
     torch.set_num_threads(s.baseline_threads)
     shards = task_named(TASK, size=s.size)
-    per_learner_batch = shards.config.batch  # type: ignore[attr-defined]
+    per_learner_batch = shards.batch_size
     task = task_named(TASK, size=s.size, batch_size=LEARNERS * per_learner_batch)
     log(f"(c) single process: batch {LEARNERS} x {per_learner_batch}, {s.steps} steps, "
         f"{s.baseline_threads} torch threads")
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(s: Settings, only: list[str]) -> dict[str, Any]:
     from learner.tasks import task_named
 
-    tokens_per_step = task_named(TASK, size=s.size).config.batch * (  # type: ignore[attr-defined]
+    tokens_per_step = task_named(TASK, size=s.size).batch_size * (
         task_named(TASK, size=s.size).config.context)  # type: ignore[attr-defined]
     budget = LEARNERS * s.steps * tokens_per_step
     load_before = os.getloadavg()

@@ -54,6 +54,11 @@ class Task(abc.ABC):
         self.seed = seed
         self.device = torch.device(device)
 
+    @property
+    @abc.abstractmethod
+    def batch_size(self) -> int:
+        """Examples (an LM's: windows) in one training step's batch."""
+
     @abc.abstractmethod
     def build_model(self) -> nn.Module:
         """The initial model on `device`: the same weights for the same seed, everywhere."""
@@ -292,6 +297,10 @@ class StdlibLMTask(Task):
         self.config = config
         self.root = root or stdlib_root()
 
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch
+
     def _capped(self, paths: list[str]) -> list[str]:
         # Hash order, not name order, so a capped shard samples the whole stdlib.
         chosen: list[str] = []
@@ -420,6 +429,10 @@ class DigitsTask(Task):
                  device: str | torch.device = "cpu") -> None:
         super().__init__(seed=seed, device=device)
         self.config = config
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch
 
     def shard_indices(self, shard: int | None, num_shards: int) -> np.ndarray:
         """Example indices of a training shard, or of the held-out split for None."""
