@@ -240,8 +240,8 @@ def run_scenario(system: str, scenario: str, out: Path, args: argparse.Namespace
 
         server = CoordinatorProcess(state_dir=out / "state", args=[
             "--event-log", str(out / "coordinator.events.jsonl"), "--set", "fsync=false",
-            "--set", "policy.grace_max_s=0.5", "--set", "outer.lr=0.3",
-            "--set", "outer.momentum=0.0"]).start()
+            "--set", "policy.grace_max_s=0.5",
+            *[flag for kv in args.set for flag in ("--set", kv)]]).start()
         address = server.address
     else:
         address = ""
@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None) -> None:
                              "faults is the held-out loss's reference")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
                         help="the scenarios to run (default all three)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of ftsync's coordinator (repeatable; default: the "
+                             "daemon's own, outer lr 0.7 without momentum scaled per round)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.command == "worker":
