@@ -1,5 +1,5 @@
 """Adaptive benchmark: static quorums K = 1..4 against `policy.min_quorum = "auto"`,
-same tokens and seed, all measured in one run.
+the same token budget and seeds for every cell, all measured in one run.
 
 Four `ftsync-learner` processes train `--task` (default `lm-stdlib`, `--size tiny`; one
 torch thread each, every step sleeping `--step-ms` to stand in for an accelerator, as
@@ -24,16 +24,18 @@ since then reach
 4 × `--steps`, every learner still running is sent SIGTERM. Each learner evaluates the
 held-out split every `--eval-every` steps; the run's held-out loss at a time is the mean
 of the learners' latest evaluations (before a learner's first, that of the model it
-started from). Per setting, the target is the best static run's
-final loss plus 2%, and each run's figure is the wall-clock time from the first step to
-the first moment its loss is at or below the target (a run that never gets there counts
-twice its wall-clock, marked `reached: false`).
+started from). A held-out loss that is not a number (a
+diverged learner) counts as infinite.
 
 Each cell runs `--repeats` times (seeds 0, 1, ...; the repeats outermost, so that a
-change in the machine's load falls on every K alike) and its figures are medians: the
-target is the best static K's median final loss plus 2%, a cell's time is the median of
-its runs' times to it. A single run of 6-10 s moves by a round or two between runs,
-more than the 3% the target allows.
+change in the machine's load falls on every K alike; an odd count, so that a median is
+one run's figure) and its figures are medians. Per setting, the target is the best
+static K's median final loss plus 2%; a run's time is the wall-clock from the first
+step to the first moment its loss is at or below the target (a run that never gets
+there counts twice its wall-clock; `reached` counts the runs that did), and a cell's
+time is the median of its runs'. A single run of 6-10 s moves by a round or two between
+runs, more than the 3% the target allows. `auto_rounds_by_quorum` sums the auto runs'
+merged rounds by their quorum over the repeats.
 
 `auto_k_vs_best_static` = auto's time to target over the best static K's, in the worst
 setting (target ≤ 1.03); `auto_k_best_gain` = over settings, the fastest static K's time
@@ -48,13 +50,15 @@ wall-clock, the shorter run's end (target ≤ 1.00); medians over the repeats as
 
 Run from the repository root: `python -m bench.adaptive [--quick] [--parts quorum,local_steps]
 [--set KEY=VALUE ...]` (`--set`: a coordinator setting for every run). Progress goes to
-stderr; the last line of stdout is one JSON object.
+stderr; the last line of stdout is one JSON object, which also records the task, its
+size and batch, and the `--set` settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import statistics
@@ -68,15 +72,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.convergence import DutyCycle, log
-from chaos.local import CoordinatorProcess
+from chaos.local import CoordinatorProcess, setting_flags
+from coordinator.config import ConfigError
 from learner.tasks import SIZES, TASKS, task_named
 
 LEARNERS = 4
 QUORUMS: tuple[int | str, ...] = (1, 2, 3, 4, "auto")
 # `ftsync-learner`'s progress line: its step, and its held-out loss when it evaluated.
-PROGRESS = re.compile(r"^\S+ step (\d+) .*? eval ([0-9.]+)")
+PROGRESS = re.compile(r"^\S+ step (\d+) .*? eval (\S+)")
 # Its line before the first step: the caught-up model's held-out loss.
-READY = re.compile(r"held-out loss ([0-9.]+)")
+READY = re.compile(r"held-out loss (\S+)")
 RUN_TIMEOUT_S = 600.0
 
 
@@ -154,11 +159,11 @@ class Followed:
                 ready = READY.search(line)
                 if ready:
                     with self.lock:
-                        self.evals[index] = float(ready.group(1))
+                        self.evals[index] = held_out(ready.group(1))
                     self.ready[index].set()
                 match = PROGRESS.match(line)
                 if match:
-                    self.saw(index, int(match.group(1)), float(match.group(2)))
+                    self.saw(index, int(match.group(1)), held_out(match.group(2)))
         thread = threading.Thread(target=read, daemon=True)
         thread.start()
         return thread
@@ -179,12 +184,20 @@ class Followed:
         with self.lock:
             if self.started is None:
                 self.steps[index] = step
+                self.evals[index] = loss
                 return
             self.steps[index] = step - self.before[index]
             self.evals[index] = loss
             known = [e for e in self.evals if e is not None]
             if len(known) == len(self.evals):
                 self.curve.append((now - self.started, sum(known) / len(known)))
+
+
+def held_out(said: str) -> float:
+    """A learner's printed held-out loss; `nan` (it diverged) counts as infinite, so
+    that such a run never reaches a target and never has the lowest final loss."""
+    loss = float(said)
+    return math.inf if math.isnan(loss) else loss
 
 
 def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace,
@@ -197,7 +210,7 @@ def run_cluster(setting: Setting, quorum: int | str, args: argparse.Namespace,
             "--min-quorum", str(quorum), "--set", f"policy.grace_max_s={args.grace_max_s}",
             "--set", "policy.max_staleness=32", "--set", "fsync=false",
             "--set", f"policy.h_max={args.sync_every}", "--set", "policy.h_min=2",
-            *[flag for kv in args.set for flag in ("--set", kv)],
+            *args.set_flags,
             "--event-log", str(events)]).start()
         followed = Followed(LEARNERS)
         stderr = open(Path(tmp) / "learners.stderr", "w")  # noqa: SIM115 (closed below)
@@ -274,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=20,
                         help="the fixed H, and policy.h_max of the auto runs")
     parser.add_argument("--only", default="", help="settings to run, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per cell, seeds 0.. (figures are medians)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs per cell, seeds 0.., an odd count (figures are medians; "
+                             "default 3, 1 with --quick)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a coordinator setting for every run (repeatable)")
     parser.add_argument("--parts", default="quorum,local_steps",
@@ -284,18 +298,32 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     quorums = QUORUMS
     if args.quick:
-        args.steps, args.repeats, quorums = 60, 1, (1, "auto")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1 (got {args.repeats})")
+        args.steps, quorums = 60, (1, "auto")
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1 or args.repeats % 2 == 0:
+        parser.error(f"--repeats must be odd and at least 1, so that a median is one run's "
+                     f"figure (got {args.repeats})")
+    try:
+        args.set_flags = setting_flags(args.set)
+    except ConfigError as exc:
+        parser.error(f"--set: {exc}")
     args.task_batch = task_named(args.task, size=args.size).batch_size
     parts = set(args.parts.split(","))
     if parts - {"quorum", "local_steps"}:
-        parser.error(f"--parts takes quorum and local_steps, not {sorted(parts)}")
-    settings = [s for s in SETTINGS if not args.only or s.name in args.only.split(",")]
+        parser.error(f"--parts takes quorum and local_steps; unknown: "
+                     f"{', '.join(sorted(parts - {'quorum', 'local_steps'}))}")
+    names = {s.name for s in SETTINGS}
+    only = set(args.only.split(",")) if args.only else names
+    if only - names:
+        parser.error(f"--only takes {', '.join(s.name for s in SETTINGS)}; unknown: "
+                     f"{', '.join(sorted(only - names))}")
+    settings = [s for s in SETTINGS if s.name in only]
     result: dict[str, Any] = {
         "name": "adaptive", "target": 1.03,
         "unit": "auto quorum's time to target / best static quorum's (worst setting)",
-        "steps_per_learner": args.steps, "repeats": args.repeats}
+        "steps_per_learner": args.steps, "repeats": args.repeats, "task": args.task,
+        "size": args.size, "task_batch": args.task_batch, "settings": args.set}
     if "quorum" in parts:
         result.update(compare_quorums(settings, quorums, args))
     if "local_steps" in parts:

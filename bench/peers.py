@@ -240,8 +240,7 @@ def run_scenario(system: str, scenario: str, out: Path, args: argparse.Namespace
 
         server = CoordinatorProcess(state_dir=out / "state", args=[
             "--event-log", str(out / "coordinator.events.jsonl"), "--set", "fsync=false",
-            "--set", "policy.grace_max_s=0.5",
-            *[flag for kv in args.set for flag in ("--set", kv)]]).start()
+            "--set", "policy.grace_max_s=0.5", *args.set_flags]).start()
         address = server.address
     else:
         address = ""
@@ -398,6 +397,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fragments < 1:
         parser.error(f"--fragments must be at least 1, got {args.fragments}")
+    from chaos.local import setting_flags
+    from coordinator.config import ConfigError
+
+    try:
+        args.set_flags = setting_flags(args.set)
+    except ConfigError as exc:
+        parser.error(f"--set: {exc}")
     if "kill" in args.scenarios and not args.kill_at < args.restart_at < args.duration:
         parser.error("need --kill-at < --restart-at < --duration")
     root = args.out or Path(tempfile.mkdtemp(prefix="ftsync-bench-peers-"))
@@ -429,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"  held-out loss {reference['held_out_loss']}")
     summary = {**summarise(results, base_rates, args.scenarios, reference),
                "fragments": args.fragments, "sync_every": args.sync_every,
-               "apply_rule": args.apply_rule}
+               "apply_rule": args.apply_rule, "settings": args.set}
     print(json.dumps(summary), flush=True)
 
 

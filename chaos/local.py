@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.admin import request_drain
+from coordinator.config import CoordinatorConfig, load, parse_overrides
 from protos import ftsync_pb2 as pb
 from protos import ftsync_pb2_grpc as pb_grpc
 from protos import tls
@@ -26,6 +27,14 @@ from protos.tls import TlsConfig
 
 class StartError(RuntimeError):
     """A process of an experiment's topology did not start; says why in one line."""
+
+
+def setting_flags(pairs: list[str]) -> list[str]:
+    """`--set KEY=VALUE` flags for a coordinator, checked against its configuration
+    first (raises `ConfigError`), so that a benchmark given a wrong key fails before
+    its first run instead of at each coordinator's start."""
+    load(CoordinatorConfig, overrides=parse_overrides(pairs))
+    return [flag for pair in pairs for flag in ("--set", pair)]
 
 
 def admin_status(address: str, admin_tls: TlsConfig | None, admin_token: str,

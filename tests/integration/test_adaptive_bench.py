@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_adaptive_bench_quick_runs_to_its_json_line() -> None:
     run = subprocess.run([sys.executable, "-m", "bench.adaptive", "--quick", "--only", "quiet"],
@@ -22,6 +21,7 @@ def test_adaptive_bench_quick_runs_to_its_json_line() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["name"] == "adaptive" and result["repeats"] == 1
+    assert result["task"] == "lm-stdlib" and result["settings"] == []
     quiet = result["scenarios"]["quiet"]
     assert set(quiet["time_to_target_s"]) == {"1", "auto"}
     # The target is the best static run's final loss + 2%: that run reaches it.
@@ -30,12 +30,21 @@ def test_adaptive_bench_quick_runs_to_its_json_line() -> None:
     assert sum(quiet["auto_rounds_by_quorum"].values()) > 0, quiet
     local = result["local_steps"]
     assert result["auto_h_loss_ratio"] > 0 and result["auto_h_staleness_ratio"] >= 0
-    # The automatic H reached every learner, the slowed ones with fewer steps.
+    # The automatic H reached every learner, within [h_min, h_max].
     (assigned,) = local["assigned"]
     assert len(assigned) == 4 and all(2 <= h <= 20 for h in assigned.values()), assigned
 
 
-def test_a_repeat_count_below_one_is_refused() -> None:
-    run = subprocess.run([sys.executable, "-m", "bench.adaptive", "--repeats", "0"],
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--repeats", "0"], "--repeats must be odd and at least 1, so that a median is one "
+                         "run's figure (got 0)"),
+    (["--repeats", "2"], "(got 2)"),
+    (["--only", "quiet,loud"], "--only takes heterogeneous, noisy, quiet; unknown: loud"),
+    (["--parts", "quorum,speed"], "--parts takes quorum and local_steps; unknown: speed"),
+    (["--set", "outer.lr"], "--set expects KEY=VALUE, got 'outer.lr'"),
+    (["--set", "outer.speed=2"], "outer.speed"),
+])
+def test_bad_options_are_refused_before_any_run(flags: list[str], said: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "bench.adaptive", *flags],
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "--repeats must be at least 1 (got 0)" in run.stderr
+    assert run.returncode == 2 and said in run.stderr, run.stderr
